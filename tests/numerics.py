@@ -1,0 +1,133 @@
+"""Shared numerics checks: a backend against the float64 reference, forward and backward.
+
+The tolerance rule (flash-attn's): a backend's error against the float64
+reference must be at most 2x (outputs) / 3x (gradients) the error of the same
+computation done densely in plain PyTorch at the input dtype, plus a floor of a
+few ulps of the result's magnitude for cases where that baseline is exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+
+import torchattn
+from torchattn.reference import attention_reference
+
+# backend -> dtype -> quantity -> max error seen; printed at the end of the run.
+MAX_ERRORS: dict = defaultdict(lambda: defaultdict(dict))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    q_heads: int = 2
+    kv_heads: int = 2
+    q_len: int = 128
+    kv_len: int = 128
+    head_dim: int = 32
+    dtype: torch.dtype = torch.float32
+    causal: bool = False
+    window: tuple | None = None
+    segments: str | None = None  # None, "padding", "packed", "unmatched" (rows seeing no key)
+    softcap: float | None = None
+    bias: str | None = None  # None, "full", "broadcast" (1, heads, 1, kv_len)
+    dropout_p: float = 0.0
+
+    def __str__(self):
+        fields = [f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self)
+                  if getattr(self, f.name) != f.default]
+        return ",".join(fields) or "default"
+
+
+def make_inputs(case: Case, seed: int):
+    """Fresh random CPU tensors for a case: q, k, v, do and the keyword arguments."""
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hkv, sq, skv, d = case.batch, case.q_heads, case.kv_heads, case.q_len, case.kv_len, case.head_dim
+    q = torch.randn(b, hq, sq, d, generator=g)
+    k = torch.randn(b, hkv, skv, d, generator=g)
+    v = torch.randn(b, hkv, skv, d, generator=g)
+    do = torch.randn(b, hq, sq, d, generator=g)
+    kwargs = dict(causal=case.causal, window=case.window, softcap=case.softcap)
+    if case.segments is not None:
+        kwargs.update(zip(("segment_ids", "kv_segment_ids"), _segments(case, g)))
+    if case.bias == "full":
+        kwargs["bias"] = torch.randn(b, hq, sq, skv, generator=g)
+    elif case.bias == "broadcast":
+        kwargs["bias"] = torch.randn(1, hq, 1, skv, generator=g)
+    if case.dropout_p:
+        kwargs.update(dropout_p=case.dropout_p, dropout_seed=int(torch.randint(0, 2**31, (1,), generator=g)))
+    return q, k, v, do, kwargs
+
+
+def _segments(case: Case, g):
+    b, sq, skv = case.batch, case.q_len, case.kv_len
+    if case.segments == "padding":  # id 1 = tokens, 0 = trailing padding of random length
+        q_valid = torch.randint(1, sq + 1, (b, 1), generator=g)
+        kv_valid = torch.randint(1, skv + 1, (b, 1), generator=g)
+        return ((torch.arange(sq) < q_valid).int(), (torch.arange(skv) < kv_valid).int())
+    if case.segments == "packed":  # documents of random lengths, ids increasing
+        def packed(n):
+            cuts = torch.rand(b, n, generator=g) < 0.05
+            return torch.cumsum(cuts.int(), dim=1)
+        ids = packed(sq)
+        return ids, (ids if sq == skv else packed(skv))
+    if case.segments == "unmatched":  # some query rows carry an id no key has
+        q_ids = torch.randint(0, 3, (b, sq), generator=g)
+        kv_ids = torch.randint(0, 2, (b, skv), generator=g)
+        return q_ids, kv_ids
+    raise ValueError(f"segments: unknown kind {case.segments!r}")
+
+
+def _grads(fn, q, k, v, do, bias):
+    leaves = [t for t in (q, k, v, bias) if t is not None]
+    out = fn()
+    grads = torch.autograd.grad(out, leaves, do)
+    return out.detach(), grads
+
+
+def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: bool = True):
+    """Runs ``case`` on ``backend`` and asserts the error rule; returns the errors."""
+    q, k, v, do, kwargs = make_inputs(case, seed)
+
+    def run(fn_device, dtype, fn):
+        def move(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            t = t.to(fn_device)
+            return t.to(dtype).requires_grad_(grads) if t.is_floating_point() else t
+        args = [move(t) for t in (q, k, v)]
+        kw = {name: move(t) for name, t in kwargs.items()}
+        bias = kw.get("bias")
+        if not grads:
+            with torch.no_grad():
+                return fn(*args, **kw).detach().cpu().double(), []
+        out, gs = _grads(lambda: fn(*args, **kw), *args, do.to(fn_device, dtype), bias)
+        return out.cpu().double(), [g.cpu().double() for g in gs]
+
+    def ref(q_, k_, v_, upcast, **kw):
+        return attention_reference(q_, k_, v_, upcast=upcast, **kw)[0]
+
+    exact_out, exact_grads = run("cpu", torch.float64, lambda *a, **kw: ref(*a, upcast=True, **kw))
+    base_out, base_grads = run("cpu", case.dtype, lambda *a, **kw: ref(*a, upcast=False, **kw))
+    got_out, got_grads = run(device or "cpu", case.dtype,
+                             lambda *a, **kw: torchattn.flash_attention(*a, backend=backend, **kw))
+
+    names = ["out"] + ["dq", "dk", "dv", "dbias"][: len(exact_grads)]
+    errors = {}
+    for name, exact, base, got, mult in zip(names, [exact_out, *exact_grads], [base_out, *base_grads],
+                                            [got_out, *got_grads], [2] + [3] * len(exact_grads)):
+        assert got.shape == exact.shape, f"{name}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
+        assert torch.isfinite(got).all(), f"{name}: non-finite values for {case} on {backend}"
+        err = (got - exact).abs().max().item()
+        base_err = (base - exact).abs().max().item()
+        floor = 4 * torch.finfo(case.dtype).eps * max(exact.abs().max().item(), 1e-3)
+        bound = mult * base_err + floor
+        assert err <= bound, (f"{name}: max error {err:.3g} > {mult} x baseline {base_err:.3g} + floor "
+                              f"{floor:.3g} for {case} on {backend}")
+        errors[name] = err
+        slot = MAX_ERRORS[backend][str(case.dtype)]
+        slot[name] = max(slot.get(name, 0.0), err)
+    return errors

@@ -1,0 +1,242 @@
+"""The public entry points: :func:`flash_attention` and :func:`explain`."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from . import backends
+from .config import BlockSizes
+from .dropout import MASK32, seed_to_uint32
+from .request import Options, Request
+
+MAX_HEAD_DIM = 256
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | torch.Tensor | None = None,
+    return_lse: bool = False,
+    block_sizes: BlockSizes | None = None,
+    backend: str = "auto",
+):
+    """Memory-efficient exact attention, softmax(q k^T * scale + bias) v.
+
+    Shapes (the layout of ``torch.nn.functional.scaled_dot_product_attention``):
+        q: (batch, q_heads, q_len, head_dim)
+        k, v: (batch, kv_heads, kv_len, head_dim); q_heads a multiple of kv_heads
+            (GQA/MQA: query head h reads key/value head h // (q_heads // kv_heads)).
+        returns out: (batch, q_heads, q_len, head_dim) in q's dtype, and with
+            ``return_lse`` also lse: (batch, q_heads, q_len) float32, the log of
+            each row's softmax denominator.
+
+    Args:
+        causal: query i sees key j iff j <= i + (kv_len - q_len), aligned to the
+            bottom-right corner like flash-attn (equals SDPA's ``is_causal`` when
+            q_len == kv_len). With q_len=2, kv_len=5, 1 = visible::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+        scale: multiplies q k^T; default head_dim ** -0.5.
+        window: (left, right): query i sees key j iff i' - left <= j <= i' + right,
+            i' = i + (kv_len - q_len). Either side may be None (unlimited).
+            Combines with ``causal``.
+        segment_ids: int (batch, q_len); kv_segment_ids: int (batch, kv_len). A
+            query sees only keys with the same id: padding and packed documents
+            without a dense mask. kv ids default to the q ids when q_len == kv_len.
+        softcap: logits become softcap * tanh(logits / softcap) (Gemma 2),
+            before ``bias`` is added and before masking.
+        bias: float, broadcastable to (batch, q_heads, q_len, kv_len), added to the
+            logits (relative positions: T5, ALiBi, LayoutLMv3). Dense by nature:
+            its gradient, returned when it requires grad, has its full size.
+        dropout_p: attention dropout in [0, 1), applied to the probabilities.
+        dropout_seed: int or one-element integer tensor, required when
+            dropout_p > 0. Same seed, same mask on every backend; see
+            :func:`torchattn.dropout_mask`. Pass a new seed each step.
+        return_lse: also return the float32 log-sum-exp per query row.
+        block_sizes: kernel tiling, :class:`torchattn.BlockSizes`; default per
+            head_dim and lengths.
+        backend: "auto", "pallas", "interpret", "xla", "reference" or "sdpa";
+            see :func:`explain`.
+
+    A query row that sees no key returns 0 with lse -inf and gets zero gradient.
+    """
+    request = _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids,
+                        softcap, bias, dropout_p, dropout_seed, return_lse, block_sizes)
+    chosen = backends.select(request, backend)
+    out, lse = chosen.run(request)
+    return (out, lse) if return_lse else out
+
+
+def explain(q, k, v, *, backend: str = "auto", **kwargs) -> backends.Choice:
+    """Which backend :func:`flash_attention` would use for these arguments, and why.
+
+    Takes the same arguments. Returns a ``Choice`` with ``backend`` (the name
+    chosen) and ``passed_over`` (name -> reason, for every other backend).
+    Computes nothing.
+    """
+    names = ("causal", "scale", "window", "segment_ids", "kv_segment_ids", "softcap", "bias",
+             "dropout_p", "dropout_seed", "return_lse", "block_sizes")
+    unknown = set(kwargs) - set(names)
+    if unknown:
+        raise TypeError(f"explain: unexpected arguments {sorted(unknown)}; expected any of {list(names)}")
+    defaults = dict(causal=False, scale=None, window=None, segment_ids=None, kv_segment_ids=None,
+                    softcap=None, bias=None, dropout_p=0.0, dropout_seed=None, return_lse=False,
+                    block_sizes=None)
+    defaults.update(kwargs)
+    request = _validate(q, k, v, *(defaults[n] for n in names))
+    return backends.choose(request, backend)
+
+
+# ---------------------------------------------------------------------------
+# Validation: every check runs before any tracing and names the argument.
+
+
+def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softcap, bias,
+              dropout_p, dropout_seed, return_lse, block_sizes) -> Request:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name}: expected 4 dims (batch, heads, seq_len, head_dim), "
+                             f"got {t.dim()} dims with shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: expected dtype in {[str(d) for d in _FLOAT_DTYPES]}, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v: expected one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v: expected one device, got {q.device}, {k.device}, {v.device}")
+    if not (q.shape[0] == k.shape[0] == v.shape[0]):
+        raise ValueError(f"batch: expected equal sizes, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]} "
+                         "for q, k, v")
+    if not (q.shape[3] == k.shape[3] == v.shape[3]):
+        raise ValueError(f"head_dim: expected equal sizes, got {q.shape[3]}, {k.shape[3]}, {v.shape[3]} "
+                         "for q, k, v")
+    if k.shape[1:3] != v.shape[1:3]:
+        raise ValueError(f"k, v: expected the same (kv_heads, kv_len), got {tuple(k.shape[1:3])} "
+                         f"and {tuple(v.shape[1:3])}")
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    if min(batch, q_heads, q_len, head_dim, kv_heads, kv_len) < 1:
+        raise ValueError(f"q, k: expected every dim >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads: expected a multiple of kv_heads={kv_heads}, got {q_heads}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: expected <= {MAX_HEAD_DIM}, got {head_dim}")
+
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    scale = _positive_float("scale", scale, default=head_dim**-0.5)
+    softcap = _positive_float("softcap", softcap, default=None)
+    window = _check_window(window)
+    segment_ids, kv_segment_ids = _check_segments(segment_ids, kv_segment_ids, q, k)
+    bias = _check_bias(bias, q, k)
+    seed = _check_dropout(dropout_p, dropout_seed, q.device)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse: expected bool, got {type(return_lse).__name__}")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type(block_sizes).__name__}")
+
+    options = Options(causal=causal, scale=scale, window=window, softcap=softcap,
+                      dropout_p=float(dropout_p))
+    return Request(q=q, k=k, v=v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                   bias=bias, seed=seed, options=options, return_lse=return_lse,
+                   block_sizes=block_sizes)
+
+
+def _positive_float(name, value, default):
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a positive float or None, got {type(value).__name__}")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{name}: expected a finite float > 0 or None, got {value}")
+    return float(value)
+
+
+def _check_window(window):
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window: expected a (left, right) pair of ints >= 0 or None, got {window!r}")
+    for side, value in zip(("left", "right"), window):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"window: expected {side} to be an int >= 0 or None, got {value!r}")
+    return tuple(None if w is None else int(w) for w in window)
+
+
+def _check_segments(segment_ids, kv_segment_ids, q, k):
+    batch, q_len, kv_len = q.shape[0], q.shape[2], k.shape[2]
+    if segment_ids is None and kv_segment_ids is None:
+        return None, None
+    if segment_ids is None:
+        raise ValueError("segment_ids: expected a (batch, q_len) tensor whenever kv_segment_ids "
+                         "is given, got None")
+    if kv_segment_ids is None:
+        if q_len != kv_len:
+            raise ValueError(f"kv_segment_ids: expected a (batch, kv_len)=({batch}, {kv_len}) tensor "
+                             f"since q_len={q_len} != kv_len={kv_len}, got None")
+        kv_segment_ids = segment_ids
+    for name, ids, length in (("segment_ids", segment_ids, q_len), ("kv_segment_ids", kv_segment_ids, kv_len)):
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"{name}: expected an integer torch.Tensor, got {type(ids).__name__}")
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer dtype, got {ids.dtype}")
+        if tuple(ids.shape) != (batch, length):
+            raise ValueError(f"{name}: expected shape {(batch, length)}, got {tuple(ids.shape)}")
+        if ids.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device}, got {ids.device}")
+    return segment_ids.to(torch.int32), kv_segment_ids.to(torch.int32)
+
+
+def _check_bias(bias, q, k):
+    if bias is None:
+        return None
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias: expected a float torch.Tensor, got {type(bias).__name__}")
+    if not bias.dtype.is_floating_point:
+        raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
+    if bias.device != q.device:
+        raise ValueError(f"bias: expected device {q.device}, got {bias.device}")
+    shape = tuple(bias.shape)
+    if len(shape) > 4 or any(s not in (1, f) for s, f in zip(shape[::-1], full[::-1])):
+        raise ValueError(f"bias: expected a shape broadcastable to (batch, q_heads, q_len, kv_len)={full}, "
+                         f"got {shape}")
+    return bias.reshape((1,) * (4 - len(shape)) + shape)
+
+
+def _check_dropout(dropout_p, dropout_seed, device):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
+    if dropout_p == 0.0:
+        return None
+    if dropout_seed is None:
+        raise ValueError(f"dropout_seed: expected an int or one-element integer tensor when "
+                         f"dropout_p={dropout_p} > 0, got None")
+    if isinstance(dropout_seed, torch.Tensor):
+        if dropout_seed.numel() != 1 or dropout_seed.dtype.is_floating_point or dropout_seed.dtype == torch.bool:
+            raise ValueError(f"dropout_seed: expected a one-element integer tensor, got dtype "
+                             f"{dropout_seed.dtype} shape {tuple(dropout_seed.shape)}")
+        return (dropout_seed.reshape(1).to(device=device, dtype=torch.int64)) & MASK32
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral):
+        raise TypeError(f"dropout_seed: expected an int or integer tensor, got {type(dropout_seed).__name__}")
+    return torch.tensor([seed_to_uint32(dropout_seed)], dtype=torch.int64, device=device)

@@ -1,0 +1,82 @@
+"""Backend registry and the ``auto`` choice.
+
+Every backend is one small module exposing ``NAME``, ``unavailable(request) ->
+str | None`` (why it cannot serve this request, None if it can) and
+``run(request) -> (out, lse or None)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+from ..request import Request
+from . import interpret, pallas, reference, sdpa, xla
+
+BACKENDS = {m.NAME: m for m in (pallas, interpret, xla, reference, sdpa)}
+
+# Preference per device kind. On XLA devices other than TPU the `xla` backend is
+# preferred to `interpret`: interpret mode emulates the TPU kernel (for testing)
+# and is slower than attention compiled by XLA for that device.
+_PREFERENCE = {
+    "tpu": ("pallas", "xla", "reference"),
+    "xla": ("xla", "interpret", "reference"),
+    "torch": ("sdpa", "reference"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What :func:`torchattn.explain` returns."""
+
+    backend: str
+    passed_over: dict[str, str]
+
+
+def device_kind(request: Request) -> str:
+    if request.device.type != "xla":
+        return "torch"
+    import torch_xla.runtime as xr
+
+    return "tpu" if xr.device_type() == "TPU" else "xla"
+
+
+def choose(request: Request, backend: str = "auto") -> Choice:
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
+    reasons = {name: BACKENDS[name].unavailable(request) for name in BACKENDS}
+    if backend != "auto":
+        if reasons[backend] is not None:
+            raise ValueError(f"backend: {backend!r} cannot serve this call: {reasons[backend]}")
+        chosen = backend
+        passed_over = {n: r or f"not requested (backend={backend!r})" for n, r in reasons.items() if n != chosen}
+        return Choice(chosen, passed_over)
+    kind = device_kind(request)
+    order = _PREFERENCE[kind]
+    chosen = next(name for name in order if reasons[name] is None)  # reference serves everything
+    passed_over = {}
+    for name, reason in reasons.items():
+        if name == chosen:
+            continue
+        if reason is None:
+            reason = (f"lower priority than {chosen!r} on this device" if name in order
+                      else f"not used automatically for {kind} devices; request it explicitly")
+        passed_over[name] = reason
+    return Choice(chosen, passed_over)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def select(request: Request, backend: str = "auto"):
+    """The backend module to run; warns once per (backend, reason) on fallback."""
+    choice = choose(request, backend)
+    if backend == "auto":
+        preferred = _PREFERENCE[device_kind(request)][0]
+        if choice.backend != preferred:
+            reason = choice.passed_over[preferred]
+            if (choice.backend, reason) not in _warned:
+                _warned.add((choice.backend, reason))
+                warnings.warn(f"torchattn: backend {preferred!r} cannot serve this call ({reason}); "
+                              f"falling back to {choice.backend!r}", stacklevel=3)
+    return BACKENDS[choice.backend]

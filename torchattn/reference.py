@@ -1,0 +1,75 @@
+"""Dense attention in plain PyTorch: the test oracle and the ``reference`` backend.
+
+It builds the full (q_len x kv_len) score matrix, so it is for tests and small
+inputs only. Gradients come from autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dropout import dropout_mask
+from .masks import diagonal_bounds, visible
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    softcap: float | None = None,
+    bias: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed=None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, lse) with the semantics of :func:`torchattn.flash_attention`.
+
+    q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim).
+    segment_ids / kv_segment_ids: (batch, q_len) / (batch, kv_len), both or neither.
+    upcast: compute in float64 (the oracle); False computes in the input dtype,
+        which is the low-precision baseline that kernel errors are measured against.
+    Returns out in q's dtype and lse (batch, q_heads, q_len) in float32 (float64
+    when upcast); rows that see no key give out 0 and lse -inf.
+    """
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    compute = torch.float64 if upcast else q.dtype
+    scale = head_dim**-0.5 if scale is None else scale
+    groups = q_heads // kv_heads
+    qc = q.to(compute)
+    kc = k.to(compute).repeat_interleave(groups, dim=1)  # (batch, q_heads, kv_len, head_dim)
+    vc = v.to(compute).repeat_interleave(groups, dim=1)
+
+    scores = qc @ kc.transpose(-1, -2) * scale  # (batch, q_heads, q_len, kv_len)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if bias is not None:
+        scores = scores + bias.to(compute)
+
+    left, right = diagonal_bounds(causal, window)
+    rows = torch.arange(q_len, device=q.device).view(q_len, 1)
+    cols = torch.arange(kv_len, device=q.device).view(1, kv_len)
+    mask = visible(rows, cols, q_len=q_len, kv_len=kv_len, left=left, right=right)
+    mask = mask.expand(batch, 1, q_len, kv_len)
+    if segment_ids is not None:
+        same = segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+        mask = mask & same
+    # Rows that see nothing get finite dummy scores so logsumexp and its
+    # gradient stay finite; their probabilities are zeroed below.
+    row_sees = mask.any(dim=-1, keepdim=True)
+    scores = torch.where(mask, scores, float("-inf"))
+    scores = torch.where(row_sees, scores, 0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    probs = torch.where(mask, torch.exp(scores - lse), 0.0)
+    if dropout_p > 0.0:
+        keep = dropout_mask(dropout_seed, batch, q_heads, q_len, kv_len, dropout_p, device=q.device)
+        probs = torch.where(keep, probs / (1.0 - dropout_p), 0.0)
+    out = (probs @ vc).to(q.dtype)
+    lse = torch.where(row_sees, lse, float("-inf")).squeeze(-1)
+    return out, lse.to(torch.float64 if upcast else torch.float32)

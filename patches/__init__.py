@@ -1,0 +1,1 @@
+"""Hugging Face transformers integration (attention and mask registration) will live here."""

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Environment bootstrap, idempotent: run it (bash scripts/env.sh), don't source it.
+#
+# - Creates .venv in the checkout with Python 3.11 when it is missing.
+# - Runs `pip install -e '.[EXTRAS]'` only when setup.cfg, pyproject.toml, the
+#   extras or the venv's Python changed since the last successful install (a
+#   hash stamp in .venv, written only after pip succeeds). A fresh install is
+#   about 7.6 GB (PyPI's torch 2.9.0 is the CUDA build) and takes a few minutes.
+#
+# TORCHATTN_EXTRAS picks the extras, default "dev"; on a TPU VM use "tpu,dev".
+if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
+    echo "scripts/env.sh: run it with bash, don't source it" >&2
+    return 1
+fi
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+venv=.venv
+stamp=$venv/.torchattn-install-stamp
+extras=${TORCHATTN_EXTRAS:-dev}
+
+is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; }
+
+if ! is_py311 "$venv/bin/python"; then
+    if command -v python3.11 >/dev/null && is_py311 python3.11; then
+        python=python3.11
+    elif command -v python3 >/dev/null && is_py311 python3; then
+        python=python3
+    else
+        echo "env: need Python 3.11 (python3.11, or python3 being 3.11); found none" >&2
+        exit 1
+    fi
+    echo "env: creating $venv with $($python -V) ($(command -v $python))"
+    "$python" -m venv --clear "$venv"
+fi
+
+want=$({ cat setup.cfg pyproject.toml; echo "extras=$extras"; "$venv/bin/python" -V; } | sha256sum | cut -d' ' -f1)
+if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
+    echo "env: $venv is up to date (setup.cfg and pyproject.toml unchanged since the last install)"
+    exit 0
+fi
+
+echo "env: installing torchattn into $venv: pip install -e '.[$extras]' (first time: ~7.6 GB, a few minutes)"
+rm -f "$stamp"
+"$venv/bin/python" -m pip install --progress-bar off -e ".[$extras]"
+echo "$want" > "$stamp"
+echo "env: $venv ready"

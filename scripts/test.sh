@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The whole test suite; arguments are passed to pytest (e.g. -k kernel, -m "not slow").
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/env.sh
+# XLA on the CPU unless told otherwise (PJRT_DEVICE=TPU on a TPU VM runs the tpu-marked tests).
+export PJRT_DEVICE=${PJRT_DEVICE:-CPU}
+# Cap torch_xla's in-memory compilation cache: XLA:CPU keeps thousands of memory
+# mappings per cached executable, and a suite that compiles many graphs otherwise
+# exhausts vm.max_map_count ("LLVM compilation error: Cannot allocate memory").
+export XLA_COMPILATION_CACHE_SIZE=${XLA_COMPILATION_CACHE_SIZE:-8}
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,82 @@
+"""The import-time version check, with the metadata lookup faked (nothing is uninstalled)."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from torchattn import _versions
+from torchattn._versions import VERIFIED, UnverifiedVersionsWarning, check_versions
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Returns a dict to fill with distribution -> version; absent means not installed."""
+    fake = {}
+    monkeypatch.setattr(_versions, "installed_version", fake.get)
+    monkeypatch.setattr(_versions, "_warned", False)
+    return fake
+
+
+def test_verified_set_does_not_warn(installed):
+    installed.update(VERIFIED)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_versions()
+
+
+def test_local_build_tag_counts_as_verified(installed):
+    installed.update(VERIFIED, torch="2.9.0+cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_versions()
+
+
+def test_plain_torch_without_xla_or_jax_does_not_warn(installed):
+    installed["torch"] = VERIFIED["torch"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_versions()
+
+
+def test_unverified_set_warns_once_naming_found_and_verified(installed):
+    installed.update(VERIFIED, jax="0.8.0", jaxlib="0.8.0")
+    with pytest.warns(UnverifiedVersionsWarning) as record:
+        check_versions()
+        check_versions()
+    assert len(record) == 1
+    message = str(record[0].message)
+    assert "jax 0.8.0" in message and "jaxlib 0.8.0" in message
+    for name, version in VERIFIED.items():
+        assert f"{name} {version}" in message
+
+
+def test_incompatible_torch_pair_raises_naming_both(installed):
+    installed.update(VERIFIED, torch="2.10.0")
+    with pytest.raises(ImportError, match=r"torch 2\.10\.0 and torch_xla 2\.9\.0"):
+        check_versions()
+
+
+def test_newer_torch_without_torch_xla_only_warns(installed):
+    installed["torch"] = "2.10.0"
+    with pytest.warns(UnverifiedVersionsWarning, match=r"torch 2\.10\.0"):
+        check_versions()
+
+
+def test_real_lookup_reads_installed_metadata():
+    assert _versions.installed_version("torch") is not None
+    assert _versions.installed_version("surely-not-a-package-torchattn") is None
+
+
+def test_check_imports_neither_jax_nor_torch_xla():
+    # Run the module on its own in a fresh interpreter: the package __init__ imports torch.
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('v', {_versions.__file__!r})\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)\n"
+        "module.check_versions()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'torch', 'torch_xla')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

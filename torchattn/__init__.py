@@ -1,0 +1,14 @@
+"""torchattn: TPU-native flash attention for PyTorch/XLA with Pallas kernels."""
+
+from . import _versions
+
+_versions.check_versions()  # before importing torch: a mismatched torch/torch_xla pair fails here, clearly
+
+from .api import explain, flash_attention  # noqa: E402
+from .config import BlockSizes  # noqa: E402
+from .dropout import dropout_mask  # noqa: E402
+from .reference import attention_reference  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "__version__"]

@@ -1,0 +1,1 @@
+"""The trainer (`python -m train`) will live here."""

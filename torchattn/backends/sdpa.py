@@ -1,0 +1,76 @@
+"""``sdpa``: plain (non-XLA) torch tensors through ``torch.nn.functional.scaled_dot_product_attention``.
+
+For CPU/CUDA users of the same API. Masks that SDPA cannot express natively
+(bottom-right causal with q_len != kv_len, windows, segment ids) become a dense
+boolean ``attn_mask``; a bias becomes a float mask, -inf where masked. Gradients
+come from autograd through SDPA.
+
+Rows that see no key are given a dummy all-visible mask (SDPA would otherwise
+produce NaN or rely on version-specific "safe softmax") and their output is
+zeroed with ``torch.where``, which also zeroes their gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..masks import visible
+from ..request import Request
+
+NAME = "sdpa"
+
+
+def unavailable(request: Request) -> str | None:
+    if request.device.type == "xla":
+        return "XLA tensors are served by pallas/xla/interpret"
+    o = request.options
+    if o.dropout_p > 0.0:
+        return ("dropout_p > 0: SDPA's dropout draws from torch's RNG, not torchattn's seeded mask, "
+                "so the same seed would not give the same mask")
+    if request.return_lse:
+        return "return_lse=True: SDPA does not return the log-sum-exp"
+    if o.softcap is not None:
+        return "softcap: SDPA has no logit soft-capping"
+    return None
+
+
+def run(request: Request):
+    q, k, v = request.q, request.k, request.v  # q: (b, hq, sq, d); k, v: (b, hkv, skv, d)
+    o = request.options
+    left, right = o.bounds
+    has_segments = request.segment_ids is not None
+    gqa = request.q_heads != request.kv_heads
+    sdpa = dict(scale=o.scale, enable_gqa=gqa)
+
+    # (None, 0) is causal, whatever spelled it (causal=True, window=(None, 0), both).
+    only_causal = left is None and right == 0 and not has_segments and request.bias is None
+    if only_causal and request.q_len == request.kv_len:  # top-left == bottom-right alignment
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa), None
+    if left is None and right is None and not has_segments:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_cast_bias(request), **sdpa), None
+
+    mask = _visible_mask(request, left, right)  # (b or 1, 1, sq, skv) bool
+    row_sees = mask.any(dim=-1, keepdim=True)  # (b or 1, 1, sq, 1)
+    mask = mask | ~row_sees  # dummy all-visible rows; their output is zeroed below
+    bias = _cast_bias(request)
+    attn_mask = mask if bias is None else torch.where(mask, bias, float("-inf"))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **sdpa)
+    return torch.where(row_sees, out, 0.0), None
+
+
+def _cast_bias(request: Request):
+    """SDPA wants a float mask in q's dtype; the cast keeps the bias's autograd path."""
+    return None if request.bias is None else request.bias.to(request.dtype)
+
+
+def _visible_mask(request: Request, left, right) -> torch.Tensor:
+    device = request.device
+    rows = torch.arange(request.q_len, device=device).view(request.q_len, 1)
+    cols = torch.arange(request.kv_len, device=device).view(1, request.kv_len)
+    mask = visible(rows, cols, q_len=request.q_len, kv_len=request.kv_len, left=left, right=right)
+    mask = mask.expand(1, 1, request.q_len, request.kv_len)
+    if request.segment_ids is not None:
+        same = request.segment_ids[:, None, :, None] == request.kv_segment_ids[:, None, None, :]
+        mask = mask & same  # (b, 1, sq, skv)
+    return mask

@@ -81,6 +81,14 @@ def _segments(case: Case, g):
     raise ValueError(f"segments: unknown kind {case.segments!r}")
 
 
+def _sync(t: torch.Tensor):
+    """One XLA graph for everything pending; `.cpu()` per tensor would compile one each."""
+    if t.device.type == "xla":
+        import torch_xla
+
+        torch_xla.sync()
+
+
 def _grads(fn, q, k, v, do, bias):
     leaves = [t for t in (q, k, v, bias) if t is not None]
     out = fn()
@@ -103,8 +111,11 @@ def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: b
         bias = kw.get("bias")
         if not grads:
             with torch.no_grad():
-                return fn(*args, **kw).detach().cpu().double(), []
+                out = fn(*args, **kw)
+            _sync(out)
+            return out.cpu().double(), []
         out, gs = _grads(lambda: fn(*args, **kw), *args, do.to(fn_device, dtype), bias)
+        _sync(out)
         return out.cpu().double(), [g.cpu().double() for g in gs]
 
     def ref(q_, k_, v_, upcast, **kw):

@@ -20,12 +20,17 @@ MASK32 = 0xFFFFFFFF
 _COLUMN_SALT = 0x3C6EF372
 
 
+def _wrap32(x):
+    # uint32 jax values wrap by themselves; int64 torch tensors are reduced mod 2**32.
+    return x & MASK32 if isinstance(x, torch.Tensor) else x
+
+
 def mix32(x):
     """A 32-bit integer finaliser (xorshift-multiply, both multipliers < 2**31)."""
     x = x ^ (x >> 16)
-    x = (x * 0x21F0AAAD) & MASK32
+    x = _wrap32(x * 0x21F0AAAD)
     x = x ^ (x >> 15)
-    x = (x * 0x735A2D97) & MASK32
+    x = _wrap32(x * 0x735A2D97)
     return x ^ (x >> 15)
 
 

@@ -1,0 +1,226 @@
+"""Backward kernels: dq (with the score gradient for dbias) and dk/dv.
+
+Both recompute probabilities from the saved lse, p = exp(s - lse), so nothing
+of size q_len x kv_len is stored between forward and backward. ``delta`` is
+rowsum(do * out) - dlse, computed outside the kernels.
+
+- dq kernel, grid (batch, q_heads, q_blocks, kv_blocks), kv innermost: dq
+  accumulates in VMEM; with a bias that needs a gradient it also writes the
+  score gradient ds, which is dense by nature (the bias is).
+- dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks): the
+  innermost axis walks every query head of the group and every query block, so
+  GQA gradients are summed in VMEM without repeating K/V.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .common import LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, load
+
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+
+
+def _dot(a, b, dims):
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _tile_gradients(spec, seed, batch, head, q_block, kv_block, q, k, v, do, lse, delta,
+                    q_ids, kv_ids, bias):
+    """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
+
+    ds is the gradient of the logits after softcap and bias (= dbias); dlogits
+    the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
+    """
+    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
+    p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is finite where keep
+    dp = _dot(do, v, _NT)
+    if spec.dropout_p > 0.0:
+        scale = dropout_scale(spec, seed, batch, head, q_block, kv_block, s.shape)
+        p_used, dp = p * scale, dp * scale
+    else:
+        p_used = p
+    ds = p * (dp - delta)
+    dlogits = ds if capped is None else ds * (1.0 - capped * capped)
+    return p_used, ds, dlogits
+
+
+def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+    q_ids_ref = kv_ids_ref = bias_ref = ds_ref = None
+    if spec.has_segments:
+        q_ids_ref, kv_ids_ref, *refs = refs
+    if spec.bias_shape is not None:
+        bias_ref, *refs = refs
+    dq_ref, *refs = refs
+    if with_ds:
+        ds_ref, *refs = refs
+    (dq_acc,) = refs
+    batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
+    visible = spec.block_may_see(q_block, kv_block)
+
+    @pl.when(kv_block == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
+
+    @pl.when(visible)
+    def _step():
+        k = k_ref[...]
+        _, ds, dlogits = _tile_gradients(
+            spec, seed_ref[0], batch, head, q_block, kv_block, q_ref[...], k, v_ref[...], do_ref[...],
+            lse_ref[:, :1], delta_ref[:, :1], load(q_ids_ref), load(kv_ids_ref), load(bias_ref))
+        dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.scale
+        if with_ds:
+            ds_ref[...] = ds
+
+    if with_ds:
+        @pl.when(jnp.logical_not(visible))
+        def _zero_ds():  # every ds block is written: skipped blocks have zero gradient
+            ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
+
+    @pl.when(kv_block == spec.num_kv_blocks - 1)
+    def _finish():
+        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+
+
+def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
+    q_ids_ref = kv_ids_ref = bias_ref = None
+    if spec.has_segments:
+        q_ids_ref, kv_ids_ref, *refs = refs
+    if spec.bias_shape is not None:
+        bias_ref, *refs = refs
+    dk_ref, dv_ref, dk_acc, dv_acc = refs
+    batch, kv_head, kv_block, step = (pl.program_id(i) for i in range(4))
+    head = kv_head * spec.groups + step // spec.num_q_blocks
+    q_block = step % spec.num_q_blocks
+
+    @pl.when(step == 0)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
+
+    @pl.when(spec.block_may_see(q_block, kv_block))
+    def _step():
+        q, do = q_ref[...], do_ref[...]
+        p, _, dlogits = _tile_gradients(
+            spec, seed_ref[0], batch, head, q_block, kv_block, q, k_ref[...], v_ref[...], do,
+            lse_ref[:, :1], delta_ref[:, :1], load(q_ids_ref), load(kv_ids_ref), load(bias_ref))
+        dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
+        dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.scale
+
+    @pl.when(step == spec.groups * spec.num_q_blocks - 1)
+    def _finish():
+        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+
+
+def _params(semantics):
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+@functools.lru_cache(maxsize=None)
+def dq_call(spec: KernelSpec, with_ds: bool):
+    """jax function (seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dq, [ds]).
+
+    lse, delta: float32 (batch, q_heads, q_pad, 128); ds: float32 (batch, q_heads,
+    q_pad, kv_pad). Other shapes as in :func:`forward_call`. Memoised per spec.
+    """
+    bq, bkv, d, g = spec.block_q, spec.block_kv, spec.head_dim, spec.groups
+
+    def q_map(b, h, i, j, seed):
+        return b, h, i, 0
+
+    def kv_map(b, h, i, j, seed):
+        return b, h // g, spec.clamp_kv_block(i, j), 0
+
+    in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                pl.BlockSpec((None, None, bq, d), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map)]
+    if spec.has_segments:
+        in_specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
+                     pl.BlockSpec((None, SUBLANES, bkv),
+                                  lambda b, h, i, j, seed: (b, 0, spec.clamp_kv_block(i, j)))]
+    if spec.bias_shape is not None:
+        in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, h, i, j, seed: spec.bias_index(
+            b, h, i, spec.clamp_kv_block(i, j))))
+    out_specs = [pl.BlockSpec((None, None, bq, d), q_map)]
+    out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype))]
+    if with_ds:
+        out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, seed: (b, h, i, j)))
+        out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
+    call = pl.pallas_call(
+        functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+            in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
+        out_shape=out_shape,
+        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=spec.interpret,
+        name="torchattn_backward_dq",
+    )
+
+    def run(seed, *arrays):
+        return tuple(call(seed, *arrays))
+
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def dkv_call(spec: KernelSpec):
+    """jax function (seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dk, dv).
+
+    dk, dv: like k and v. Memoised per spec.
+    """
+    bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
+
+    def q_map(b, hk, j, t, seed):  # t walks (query head in the group, query block)
+        return b, hk * g + t // nq, spec.clamp_q_block(j, t % nq), 0
+
+    def kv_map(b, hk, j, t, seed):
+        return b, hk, j, 0
+
+    in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                pl.BlockSpec((None, None, bq, d), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map)]
+    if spec.has_segments:
+        in_specs += [pl.BlockSpec((None, bq, LANES),
+                                  lambda b, hk, j, t, seed: (b, spec.clamp_q_block(j, t % nq), 0)),
+                     pl.BlockSpec((None, SUBLANES, bkv), lambda b, hk, j, t, seed: (b, 0, j))]
+    if spec.bias_shape is not None:
+        in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, hk, j, t, seed: spec.bias_index(
+            b, hk * g + t // nq, spec.clamp_q_block(j, t % nq), j)))
+    out_specs = [pl.BlockSpec((None, None, bkv, d), kv_map), pl.BlockSpec((None, None, bkv, d), kv_map)]
+    kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
+    call = pl.pallas_call(
+        functools.partial(dkv_kernel, spec=spec),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
+            in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)]),
+        out_shape=[kv_shape, kv_shape],
+        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=spec.interpret,
+        name="torchattn_backward_dkv",
+    )
+
+    def run(seed, *arrays):
+        return tuple(call(seed, *arrays))
+
+    return run

@@ -1,0 +1,147 @@
+"""What the forward and backward kernels share: the static spec, block scores, dropout.
+
+Everything here runs inside Pallas kernels (jax values) on TPU and in interpret
+mode alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .. import dropout, masks
+
+LANES = 128  # per-row values (lse, delta, q segment ids) travel lane-broadcast: (rows, 128)
+SUBLANES = 8  # per-column values (kv segment ids) travel sublane-broadcast: (8, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """Static description of one kernel launch; one compiled kernel per distinct spec.
+
+    Lengths ``q_len``/``kv_len`` are the true ones; arrays are padded to
+    ``q_pad``/``kv_pad`` (multiples of the block sizes) and the padding is masked.
+    ``bias_shape`` is the padded bias shape, each dim 1 (broadcast) or full.
+    """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    q_pad: int
+    kv_pad: int
+    head_dim: int
+    block_q: int
+    block_kv: int
+    dtype: str
+    scale: float
+    left: int | None
+    right: int | None
+    softcap: float | None
+    dropout_p: float
+    has_segments: bool
+    bias_shape: tuple[int, int, int, int] | None
+    interpret: bool
+
+    @property
+    def groups(self) -> int:
+        return self.q_heads // self.kv_heads
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.q_pad // self.block_q
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_pad // self.block_kv
+
+    def block_may_see(self, q_block, kv_block):
+        """False for blocks that are fully masked by causal/window/padding: skipped."""
+        q_start = q_block * self.block_q
+        q_stop = jnp.minimum(q_start + self.block_q, self.q_len)
+        kv_start = kv_block * self.block_kv
+        return (q_start < self.q_len) & masks.block_may_see(
+            q_start, q_stop, kv_start, kv_start + self.block_kv,
+            q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+
+    def clamp_kv_block(self, q_block, kv_block):
+        """The kv block to fetch: skipped blocks re-use a visible neighbour, so no DMA is issued."""
+        shift = self.kv_len - self.q_len
+        q_start = q_block * self.block_q
+        q_last = jnp.minimum(q_start + self.block_q, self.q_len) - 1
+        first, last = 0, (self.kv_len - 1) // self.block_kv
+        if self.left is not None:
+            first = jnp.maximum(0, (q_start + shift - self.left) // self.block_kv)
+        if self.right is not None:
+            last = jnp.minimum(last, jnp.maximum(0, (q_last + shift + self.right) // self.block_kv))
+        return jnp.minimum(jnp.maximum(kv_block, first), jnp.maximum(first, last))
+
+    def clamp_q_block(self, kv_block, q_block):
+        """The q block to fetch in the dk/dv kernel, clamped like :meth:`clamp_kv_block`."""
+        shift = self.kv_len - self.q_len
+        kv_start = kv_block * self.block_kv
+        kv_last = kv_start + self.block_kv - 1
+        first, last = 0, (self.q_len - 1) // self.block_q
+        if self.right is not None:
+            first = jnp.maximum(0, (kv_start - shift - self.right) // self.block_q)
+        if self.left is not None:
+            last = jnp.minimum(last, jnp.maximum(0, (kv_last - shift + self.left) // self.block_q))
+        return jnp.minimum(jnp.maximum(q_block, first), jnp.maximum(first, last))
+
+    def bias_block(self, block_q, block_kv):
+        """Block shape of the bias: broadcast (size-1) dims stay 1."""
+        _, _, sq, skv = self.bias_shape
+        return (None, None, block_q if sq > 1 else 1, block_kv if skv > 1 else 1)
+
+    def bias_index(self, batch, head, q_block, kv_block):
+        bb, bh, sq, skv = self.bias_shape
+        return (batch if bb > 1 else 0, head if bh > 1 else 0,
+                q_block if sq > 1 else 0, kv_block if skv > 1 else 0)
+
+
+def load(ref):
+    """The block behind an optional ref (None stays None)."""
+    return None if ref is None else ref[...]
+
+
+def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias):
+    """Scores and visibility of one (block_q, block_kv) tile.
+
+    q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
+    kv_ids: (SUBLANES, block_kv) or None; bias: (block_q or 1, block_kv or 1) or None.
+    Returns (scores float32 with masked entries -inf, visible bool, capped tanh or None);
+    the tanh is kept for the softcap gradient.
+    """
+    bq, bkv = q.shape[0], k.shape[0]
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * spec.scale
+    capped = None
+    if spec.softcap is not None:
+        capped = jnp.tanh(s / spec.softcap)
+        s = spec.softcap * capped
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
+    cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
+    keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=spec.left, right=spec.right)
+    keep = keep & (rows < spec.q_len)  # padded query rows see nothing, so their lse is -inf
+    if q_ids is not None:
+        keep = keep & (q_ids[:, :1] == kv_ids[:1, :])
+    return jnp.where(keep, s, -jnp.inf), keep, capped
+
+
+def dropout_scale(spec: KernelSpec, seed, batch, head, q_block, kv_block, shape):
+    """Keep mask divided by (1 - p) for one tile, from the hash in torchattn.dropout."""
+    bq, bkv = shape
+    # Scalars become (block_q, 1) vectors before any uint32 work: Mosaic bitcasts vectors only.
+    column = jnp.zeros((bq, 1), jnp.int32)
+    seeds = jax.lax.bitcast_convert_type(column + seed, jnp.uint32)
+    batch_head = (column + (batch * spec.q_heads + head)).astype(jnp.uint32)
+    rows = (q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)).astype(jnp.uint32)
+    cols = (kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)).astype(jnp.uint32)
+    bits = dropout.element_bits(dropout.row_keys(seeds, batch_head, rows), dropout.column_keys(cols))
+    keep = bits >= jnp.uint32(dropout.keep_threshold(spec.dropout_p))
+    return jnp.where(keep, 1.0 / (1.0 - spec.dropout_p), 0.0).astype(jnp.float32)

@@ -1,0 +1,117 @@
+"""Forward kernel: out and lse by online softmax over key blocks.
+
+Grid (batch, q_heads, q_blocks, kv_blocks); the kv axis is innermost and
+sequential, carrying the running max, denominator and output accumulator in
+VMEM scratch (float32). Fully masked key blocks are skipped: their compute is
+under ``pl.when`` and their index map points at an already fetched block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .common import LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, load
+
+
+def forward_kernel(seed_ref, *refs, spec: KernelSpec):
+    q_ref, k_ref, v_ref, *refs = refs
+    q_ids_ref = kv_ids_ref = bias_ref = None
+    if spec.has_segments:
+        q_ids_ref, kv_ids_ref, *refs = refs
+    if spec.bias_shape is not None:
+        bias_ref, *refs = refs
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
+
+    @pl.when(kv_block == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(spec.block_may_see(q_block, kv_block))
+    def _step():
+        s, _, _ = block_scores(spec, q_ref[...], k_ref[...], q_block, kv_block, load(q_ids_ref),
+                               load(kv_ids_ref), load(bias_ref))  # s: (block_q, block_kv)
+        m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # (block_q, 1)
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
+        p = jnp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
+        alpha = jnp.exp(m_prev - m_safe)
+        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        if spec.dropout_p > 0.0:
+            p = p * dropout_scale(spec, seed_ref[0], batch, head, q_block, kv_block, s.shape)
+        v = v_ref[...]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        acc_ref[...] = acc_ref[...] * alpha + pv
+        m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
+        l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
+
+    @pl.when(kv_block == spec.num_kv_blocks - 1)
+    def _finish():
+        l, m = l_ref[:, :1], m_ref[:, :1]
+        seen = l > 0.0  # l >= 1 for any row that saw a key (its max contributes exp(0))
+        o_ref[...] = jnp.where(seen, acc_ref[...] / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
+        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+@functools.lru_cache(maxsize=None)
+def forward_call(spec: KernelSpec):
+    """The jax function (seed, q, k, v, [q_ids, kv_ids], [bias]) -> (out, lse).
+
+    Shapes: seed int32 (1,); q (batch, q_heads, q_pad, head_dim); k, v (batch,
+    kv_heads, kv_pad, head_dim); q_ids int32 (batch, q_pad, 128); kv_ids int32
+    (batch, 8, kv_pad); bias ``spec.bias_shape``. Returns out like q and lse
+    float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,
+    so torch_xla's call_jax cache (keyed by function id) hits.
+    """
+    bq, bkv, d, g = spec.block_q, spec.block_kv, spec.head_dim, spec.groups
+
+    def q_map(b, h, i, j, seed):
+        return b, h, i, 0
+
+    def kv_map(b, h, i, j, seed):
+        return b, h // g, spec.clamp_kv_block(i, j), 0
+
+    in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                pl.BlockSpec((None, None, bkv, d), kv_map)]
+    if spec.has_segments:
+        in_specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
+                     pl.BlockSpec((None, SUBLANES, bkv),
+                                  lambda b, h, i, j, seed: (b, 0, spec.clamp_kv_block(i, j)))]
+    if spec.bias_shape is not None:
+        in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, h, i, j, seed: spec.bias_index(
+            b, h, i, spec.clamp_kv_block(i, j))))
+    out_specs = [pl.BlockSpec((None, None, bq, d), q_map),
+                 pl.BlockSpec((None, None, bq, LANES), q_map)]
+    dtype = jnp.dtype(spec.dtype)
+    out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), dtype),
+                 jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, LANES), jnp.float32)]
+    call = pl.pallas_call(
+        functools.partial(forward_kernel, spec=spec),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+            in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
+                            pltpu.VMEM((bq, LANES), jnp.float32),  # running denominator
+                            pltpu.VMEM((bq, d), jnp.float32)]),  # output accumulator
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=spec.interpret,
+        name="torchattn_forward",
+    )
+
+    def run(seed, *arrays):
+        return tuple(call(seed, *arrays))
+
+    return run

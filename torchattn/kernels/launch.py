@@ -1,0 +1,125 @@
+"""Torch side of the Pallas kernels: padding, lane layouts, the kernel calls, unpadding.
+
+Shared by the ``pallas`` (compiled) and ``interpret`` backends, which differ only
+in ``compiled``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..config import BlockSizes, round_up
+from ..request import Options, Request
+from . import bridge
+from .common import LANES, SUBLANES
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def unavailable(request: Request) -> str | None:
+    if request.device.type != "xla":
+        return f"needs tensors on an XLA device; got {request.device.type}"
+    if request.dtype not in KERNEL_DTYPES:
+        return f"the Pallas kernels take float32 or bfloat16; got {request.dtype}"
+    return None
+
+
+def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, compiled: bool):
+    from .common import KernelSpec  # imports jax: only once a kernel actually runs
+
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    head_dim = round_up(head_dim, LANES)  # zero lanes change neither q k^T nor p v
+    q_pad, kv_pad = round_up(q_len, block_q), round_up(kv_len, block_kv)
+    bias_shape = None
+    if bias is not None:
+        bias_shape = (*bias.shape[:2], q_pad if bias.shape[2] > 1 else 1, kv_pad if bias.shape[3] > 1 else 1)
+    left, right = options.bounds
+    return KernelSpec(
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, q_pad=q_pad,
+        kv_pad=kv_pad, head_dim=head_dim, block_q=block_q, block_kv=block_kv,
+        dtype=str(q.dtype).removeprefix("torch."), scale=options.scale, left=left, right=right,
+        softcap=options.softcap, dropout_p=options.dropout_p, has_segments=segment_ids is not None,
+        bias_shape=bias_shape, interpret=not compiled)
+
+
+def _pad_lanes(t: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(t, (0, length - t.shape[-1])) if t.shape[-1] != length else t
+
+
+def _pad_rows(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
+    extra = length - t.shape[dim]
+    if extra == 0:
+        return t
+    pads = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    return F.pad(t, pads)
+
+
+def _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias):
+    """q, k, v padded; segment ids in lane/sublane layout; bias padded where not broadcast."""
+    d = spec.head_dim
+    arrays = [_pad_rows(_pad_lanes(q, d), spec.q_pad), _pad_rows(_pad_lanes(k, d), spec.kv_pad),
+              _pad_rows(_pad_lanes(v, d), spec.kv_pad)]
+    if segment_ids is not None:
+        q_ids = _pad_rows(segment_ids, spec.q_pad, dim=1)  # (batch, q_pad)
+        kv_ids = _pad_rows(kv_segment_ids, spec.kv_pad, dim=1)  # (batch, kv_pad)
+        arrays += [q_ids[:, :, None].expand(-1, -1, LANES),  # (batch, q_pad, 128)
+                   kv_ids[:, None, :].expand(-1, SUBLANES, -1)]  # (batch, 8, kv_pad)
+    if bias is not None:
+        bias = _pad_rows(bias, spec.bias_shape[2], dim=2)
+        arrays.append(_pad_rows(bias, spec.bias_shape[3], dim=3))
+    return arrays
+
+
+def _seed(seed: torch.Tensor | None, device) -> torch.Tensor:
+    """The 32 seed bits as int32 (1,): JAX runs without 64-bit types."""
+    if seed is None:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return torch.where(seed >= 2**31, seed - 2**32, seed).to(torch.int32)
+
+
+def _per_row(t: torch.Tensor, length: int) -> torch.Tensor:
+    """(batch, heads, rows) float32 -> padded, lane-broadcast (batch, heads, length, 128)."""
+    return _pad_rows(t, length)[..., None].expand(-1, -1, -1, LANES)
+
+
+def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options,
+            block_sizes: BlockSizes, *, compiled: bool):
+    from .forward import forward_call
+
+    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q, block_sizes.block_kv, compiled)
+    arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
+    out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
+                  ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
+    out, lse = bridge.call(forward_call(spec), [_seed(seed, q.device), *arrays], out_shapes,
+                           name="torchattn.forward", compiled=compiled)
+    return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
+
+
+def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options: Options,
+             block_sizes: BlockSizes, bias_grad: bool, *, compiled: bool):
+    from .backward import dkv_call, dq_call
+
+    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, compiled)
+    arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
+    delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
+    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel
+    rows = [_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad), _per_row(lse, spec.q_pad), _per_row(delta, spec.q_pad)]
+    # Kernel argument order: seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias].
+    kernel_args = [_seed(seed, q.device), *arrays[:3], *rows, *arrays[3:]]
+    dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]
+    if bias_grad:
+        dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))
+    dq, *ds = bridge.call(dq_call(spec, bias_grad), kernel_args, dq_shapes,
+                          name="torchattn.backward_dq", compiled=compiled)
+    kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
+    dk, dv = bridge.call(dkv_call(spec), kernel_args, [kv_shape, kv_shape],
+                         name="torchattn.backward_dkv", compiled=compiled)
+    dbias = None
+    if bias_grad:
+        ds = ds[0][:, :, : spec.q_len, : spec.kv_len]
+        broadcast = [d for d in range(4) if bias.shape[d] == 1 and ds.shape[d] > 1]
+        dbias = (ds.sum(dim=broadcast, keepdim=True) if broadcast else ds).to(bias.dtype)
+    d = q.shape[3]
+    return dq[:, :, : spec.q_len, :d], dk[:, :, : spec.kv_len, :d], dv[:, :, : spec.kv_len, :d], dbias

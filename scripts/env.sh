@@ -40,7 +40,12 @@ if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
     exit 0
 fi
 
-echo "env: installing torchattn into $venv: pip install -e '.[$extras]' (first time: ~7.6 GB, a few minutes)"
+if [[ -f $stamp ]]; then
+    echo "env: setup.cfg, pyproject.toml or the extras changed: pip install -e '.[$extras]' into $venv"
+else
+    echo "env: installing torchattn and the pinned stack: pip install -e '.[$extras]' into $venv" \
+        "(first time: ~7.6 GB, a few minutes)"
+fi
 rm -f "$stamp"
 "$venv/bin/python" -m pip install --progress-bar off -e ".[$extras]"
 echo "$want" > "$stamp"

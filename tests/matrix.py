@@ -1,0 +1,57 @@
+"""The feature matrix for blockwise backends, sampled so every pair of values meets.
+
+All-pairs (pairwise) coverage: for any two parameters, every combination of
+their values appears in at least one case. A greedy construction over a fixed
+seed keeps the list deterministic and about as long as the two largest value
+lists multiplied, instead of their full product.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import torch
+
+from numerics import Case
+
+PARAMETERS = {
+    "lengths": [(1, 1), (7, 7), (113, 113), (128, 128), (129, 129), (1000, 1000),
+                (7, 129), (129, 7), (113, 1000), (1, 128)],
+    "head_dim": [32, 64, 80, 128, 256],
+    "heads": [(2, 2), (8, 2), (8, 1)],  # MHA, GQA 8:2, MQA 8:1
+    "dtype": [torch.float32, torch.bfloat16],
+    "causal": [False, True],
+    "window": [None, (16, 0), (None, 8), (5, 5)],
+    "segments": [None, "padding", "packed", "unmatched"],
+    "softcap": [None, 20.0],
+    "bias": [None, "full", "broadcast"],
+    "dropout_p": [0.0, 0.1],
+}
+
+
+def pairwise_cases(seed: int = 0, candidates: int = 40) -> list[Case]:
+    names = list(PARAMETERS)
+    uncovered = {((a, i), (b, j)) for a, b in itertools.combinations(names, 2)
+                 for i in range(len(PARAMETERS[a])) for j in range(len(PARAMETERS[b]))}
+    rng = random.Random(seed)
+    chosen = []
+    while uncovered:
+        # Seed each candidate with one uncovered pair so every round makes progress.
+        (a, i), (b, j) = min(uncovered)
+        best, best_gain = None, -1
+        for _ in range(candidates):
+            pick = {n: rng.randrange(len(PARAMETERS[n])) for n in names}
+            pick[a], pick[b] = i, j
+            gain = sum(((x, pick[x]), (y, pick[y])) in uncovered for x, y in itertools.combinations(names, 2))
+            if gain > best_gain:
+                best, best_gain = pick, gain
+        uncovered -= {((x, best[x]), (y, best[y])) for x, y in itertools.combinations(names, 2)}
+        chosen.append(best)
+    return [_case({n: PARAMETERS[n][k] for n, k in pick.items()}) for pick in chosen]
+
+
+def _case(values) -> Case:
+    (q_len, kv_len), (q_heads, kv_heads) = values.pop("lengths"), values.pop("heads")
+    batch = 1 if max(q_len, kv_len) >= 1000 else 2  # keeps the long cases cheap on CPU
+    return Case(batch=batch, q_len=q_len, kv_len=kv_len, q_heads=q_heads, kv_heads=kv_heads, **values)

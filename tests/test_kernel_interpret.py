@@ -1,0 +1,119 @@
+"""The Pallas kernels in interpret mode on XLA:CPU against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchattn
+from matrix import pairwise_cases
+from numerics import Case, check_backend
+
+torch_xla = pytest.importorskip("torch_xla")
+
+BACKEND = "interpret"
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch_xla.device()
+
+
+@pytest.mark.parametrize("case", pairwise_cases(), ids=str)
+def test_matches_reference_forward_and_backward(case, device):
+    check_backend(case, BACKEND, device=device)
+
+
+@pytest.mark.parametrize("block_sizes", [
+    torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=16, block_kv_bwd=128),
+    torchattn.BlockSizes(block_q=64, block_kv=256, block_q_bwd=32, block_kv_bwd=128),
+])
+def test_many_blocks_with_skipping(block_sizes, device):
+    """Small blocks: many skipped (causal, window) blocks and clamped index maps."""
+    q, k, v = (torch.randn(1, 4, 300, 64) for _ in range(3))
+    k, v = k[:, :2, :280], v[:, :2, :280]
+    kwargs = dict(causal=True, window=(40, None))
+    want = torchattn.attention_reference(q, k, v, **kwargs)[0]
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    got = torchattn.flash_attention(*leaves, backend=BACKEND, block_sizes=block_sizes, **kwargs)
+    grads = torch.autograd.grad(got, leaves, torch.ones_like(got))
+    torch_xla.sync()
+    torch.testing.assert_close(got.cpu(), want.float(), atol=2e-5, rtol=1e-4)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = torchattn.attention_reference(*ref_leaves, **kwargs)[0]
+    ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.cpu(), r.float(), atol=5e-5, rtol=1e-4, msg=f"d{name}")
+
+
+def test_lse_and_its_gradient(device):
+    """lse matches the reference (-inf on rows that see nothing) and gradients flow through it."""
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 50, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
+    seg_q, seg_kv = torch.randint(0, 3, (2, 50)), torch.randint(0, 2, (2, 40))  # id 2: no keys
+    kwargs = dict(segment_ids=seg_q, kv_segment_ids=seg_kv, causal=True)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = torchattn.attention_reference(*ref_leaves, **kwargs)
+    weights = torch.randn(2, 4, 50).double()
+    ref_loss = ref_out.sum() + (torch.where(torch.isfinite(ref_lse), ref_lse, 0) * weights).sum()
+    ref_grads = torch.autograd.grad(ref_loss, ref_leaves)
+
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    out, lse = torchattn.flash_attention(*leaves, backend=BACKEND, return_lse=True,
+                                         **{n: t.to(device) if torch.is_tensor(t) else t for n, t in kwargs.items()})
+    assert lse.dtype == torch.float32 and lse.shape == (2, 4, 50)
+    loss = out.sum() + (torch.where(torch.isfinite(lse), lse, 0) * weights.float().to(device)).sum()
+    grads = torch.autograd.grad(loss, leaves)
+    torch_xla.sync()
+    assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
+    assert torch.isinf(ref_lse).any(), "the case must contain rows that see no key"
+    finite = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.cpu()[finite], ref_lse[finite].float(), atol=1e-5, rtol=1e-5)
+    for name, g, r in zip("qkv", grads, ref_grads):
+        torch.testing.assert_close(g.cpu(), r.float(), atol=1e-4, rtol=1e-4, msg=f"d{name}")
+
+
+def test_dropout_masks_agree_with_helper_forward_and_backward(device):
+    """Recovers the kernel's keep mask from out and from dv and compares it with dropout_mask.
+
+    With q = 0 every probability is 1/kv_len; with v = identity (kv_len = head_dim)
+    out[i, j] = keep[i, j] / ((1 - p) kv_len), and with do = identity (q_len = head_dim)
+    dv[j, i] = keep[i, j] / ((1 - p) kv_len) too.
+    """
+    p, seed, n = 0.25, 987654321, 128
+    q = torch.zeros(1, 2, n, n, device=device, requires_grad=True)
+    eye = torch.eye(n).expand(1, 2, n, n)
+    k = torch.randn(1, 2, n, n, device=device)
+    v = eye.clone().to(device).requires_grad_()
+    out = torchattn.flash_attention(q, k, v, dropout_p=p, dropout_seed=seed, backend=BACKEND)
+    (dv,) = torch.autograd.grad(out, [v], eye.to(device))
+    torch_xla.sync()
+    want = torchattn.dropout_mask(seed, 1, 2, n, n, p)
+    fwd_mask = out.cpu() * (1 - p) * n
+    bwd_mask = dv.cpu().transpose(-1, -2) * (1 - p) * n
+    torch.testing.assert_close(fwd_mask, want.float(), atol=1e-4, rtol=0)
+    torch.testing.assert_close(bwd_mask, want.float(), atol=1e-4, rtol=0)
+    assert 0.70 < want.float().mean() < 0.80
+
+
+def test_dropout_same_seed_same_output_new_seed_new_output(device):
+    q, k, v = (torch.randn(1, 2, 64, 32, device=device) for _ in range(3))
+    run = lambda s: torchattn.flash_attention(q, k, v, dropout_p=0.3, dropout_seed=s, backend=BACKEND).cpu()
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_fully_masked_rows_give_zero_output_and_gradient(device):
+    q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    seg = torch.zeros(1, 16, dtype=torch.int32)
+    seg[:, :4] = 7  # queries 0..3 carry an id no key has
+    out = torchattn.flash_attention(*leaves, segment_ids=seg.to(device), kv_segment_ids=torch.zeros_like(seg).to(device),
+                                    backend=BACKEND)
+    dq, dk, dv = torch.autograd.grad(out, leaves, torch.randn(1, 2, 16, 32, device=device))
+    torch_xla.sync()
+    assert torch.isfinite(out.cpu()).all() and torch.isfinite(dk.cpu()).all() and torch.isfinite(dv.cpu()).all()
+    assert torch.equal(out.cpu()[:, :, :4], torch.zeros(1, 2, 4, 32))
+    assert torch.equal(dq.cpu()[:, :, :4], torch.zeros(1, 2, 4, 32))
+    assert out.cpu()[:, :, 4:].abs().sum() > 0

@@ -1,0 +1,20 @@
+"""The same matrix on a real TPU with the compiled ``pallas`` backend (skipped elsewhere).
+
+Run on a TPU VM with ``PJRT_DEVICE=TPU bash scripts/test.sh -m tpu``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from matrix import pairwise_cases
+from numerics import check_backend
+
+pytestmark = pytest.mark.tpu
+
+
+@pytest.mark.parametrize("case", pairwise_cases(), ids=str)
+def test_pallas_matches_reference_forward_and_backward(case):
+    import torch_xla
+
+    check_backend(case, "pallas", device=torch_xla.device())

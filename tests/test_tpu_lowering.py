@@ -1,0 +1,125 @@
+"""The kernels lower for TPU (Mosaic) without a TPU, and the pallas backend's graph builds.
+
+``jax.export(..., platforms=["tpu"])`` runs Pallas' Mosaic lowering and its
+verifier, which reject invalid tilings and unsupported ops. It does not run the
+TPU compiler proper (that needs libtpu and a chip), so the last word stays with
+the ``tpu``-marked tests on a TPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from torchattn.config import BlockSizes
+from torchattn.kernels import launch
+from torchattn.request import Options
+
+jax = pytest.importorskip("jax")
+torch_xla = pytest.importorskip("torch_xla")
+
+from jax import export  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from torchattn.kernels.backward import dkv_call, dq_call  # noqa: E402
+from torchattn.kernels.common import KernelSpec  # noqa: E402
+from torchattn.kernels.forward import forward_call  # noqa: E402
+
+FEATURES = {
+    "plain": dict(),
+    "causal_window": dict(causal=True, window=(64, None)),
+    "everything": dict(causal=True, segments=True, bias="full", softcap=30.0, dropout_p=0.1),
+    "broadcast_bias": dict(bias="broadcast", window=(16, 16)),
+}
+
+
+def _spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len=300, block_q=128,
+          block_kv=128, causal=False, window=None, segments=False, bias=None, softcap=None, dropout_p=0.0):
+    q = torch.empty(2, q_heads, q_len, head_dim, device="meta", dtype=getattr(torch, dtype))
+    k = torch.empty(2, kv_heads, kv_len, head_dim, device="meta", dtype=getattr(torch, dtype))
+    bias_t = {None: None, "full": torch.empty(2, q_heads, q_len, kv_len, device="meta"),
+              "broadcast": torch.empty(1, q_heads, 1, kv_len, device="meta")}[bias]
+    ids = torch.empty(2, q_len, device="meta", dtype=torch.int32) if segments else None
+    options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p)
+    return launch._spec(q, k, bias_t, ids, options, block_q, block_kv, compiled=True)
+
+
+def _signatures(spec: KernelSpec):
+    """ShapeDtypeStructs of each kernel's arguments: (forward, backward)."""
+    sds = jax.ShapeDtypeStruct
+    dt = jnp.dtype(spec.dtype)
+    b, hq, hkv, qp, kp, d = spec.batch, spec.q_heads, spec.kv_heads, spec.q_pad, spec.kv_pad, spec.head_dim
+    base = [sds((1,), jnp.int32), sds((b, hq, qp, d), dt), sds((b, hkv, kp, d), dt), sds((b, hkv, kp, d), dt)]
+    rows = [sds((b, hq, qp, d), dt), sds((b, hq, qp, 128), jnp.float32), sds((b, hq, qp, 128), jnp.float32)]
+    extra = []
+    if spec.has_segments:
+        extra += [sds((b, qp, 128), jnp.int32), sds((b, 8, kp), jnp.int32)]
+    if spec.bias_shape is not None:
+        extra.append(sds(spec.bias_shape, jnp.float32))
+    return base + extra, base + rows + extra
+
+
+def _export(fn, args):
+    exported = export.export(jax.jit(fn), platforms=["tpu"])(*args)
+    text = exported.mlir_module()
+    assert "tpu_custom_call" in text
+    return text
+
+
+LOWERING_MATRIX = (
+    [dict(head_dim=d, dtype=t, **FEATURES["everything"]) for d in (32, 64, 80, 128, 256)
+     for t in ("float32", "bfloat16")]
+    + [dict(head_dim=64, **f) for f in FEATURES.values()]
+    + [dict(q_heads=8, kv_heads=1, **FEATURES["causal_window"]), dict(q_heads=8, kv_heads=8)]
+    + [dict(block_q=8, block_kv=128, **FEATURES["everything"]),
+       dict(block_q=512, block_kv=512, q_len=1000, kv_len=1000, dtype="bfloat16", **FEATURES["causal_window"]),
+       dict(q_len=1, kv_len=1, head_dim=1, block_q=8, block_kv=128)]
+)
+
+
+@pytest.mark.parametrize("params", LOWERING_MATRIX, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_each_kernel_lowers_for_tpu(params):
+    spec = _spec(**params)
+    fwd_args, bwd_args = _signatures(spec)
+    _export(forward_call(spec), fwd_args)
+    _export(dkv_call(spec), bwd_args)
+    _export(dq_call(spec, spec.bias_shape is not None), bwd_args)
+
+
+@pytest.mark.parametrize("blocks", [dict(block_q=4, block_kv=128), dict(block_q=128, block_kv=100)])
+def test_invalid_block_size_is_rejected_by_tpu_lowering(blocks):
+    """BlockSizes refuses these up front; the Mosaic lowering refuses them as well."""
+    with pytest.raises(ValueError):
+        BlockSizes(block_q_bwd=128, block_kv_bwd=128, **blocks)
+    spec = _spec(**blocks)
+    fwd_args, _ = _signatures(spec)
+    with pytest.raises(Exception, match="divisible by 8 and 128"):
+        export.export(jax.jit(forward_call(spec)), platforms=["tpu"])(*fwd_args)
+
+
+def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
+    """The compiled path's torch_xla graph holds the three Mosaic calls with the right shapes.
+
+    Built only, never executed: XLA:CPU cannot run a tpu_custom_call.
+    """
+    device = torch_xla.device()
+    q = torch.randn(2, 4, 200, 64, device=device)
+    k, v = (torch.randn(2, 2, 300, 64, device=device) for _ in range(2))
+    bias = torch.randn(1, 4, 1, 300, device=device)
+    seed = torch.tensor([5], device=device)
+    options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1)
+    blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
+    out, lse = launch.forward(q, k, v, None, None, bias, seed, options, blocks, compiled=True)
+    grads = launch.backward(torch.ones_like(out), torch.zeros_like(lse), q, k, v, out, lse, None, None, bias,
+                            seed, options, blocks, True, compiled=True)
+    hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
+    calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+    del out, lse, grads  # never synced: XLA:CPU cannot execute these
+    assert len(calls) == 3, f"expected forward, dq and dk/dv custom calls, got {len(calls)}"
+    results = [re.search(r"= (\(.*?\)|\S+) custom-call", line).group(1) for line in calls]
+    # padded: q 200 -> 256, kv 300 -> 384, head_dim 64 -> 128 lanes
+    assert any("f32[2,4,256,128]" in r and r.count("f32[2,4,256,128]") == 2 for r in results)  # out, lse
+    assert any("f32[2,4,256,384]" in r for r in results)  # dq kernel's score gradient for dbias
+    assert any(r.count("f32[2,2,384,128]") == 2 for r in results)  # dk, dv

@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--seq-len", type=int, default=200, help="q_len = kv_len")
     args = parser.parse_args()
 
+    device = torch_xla.device()  # first: a CPU backward before this breaks XLA backwards (pytorch/xla#4174)
     torch.manual_seed(0)
     batch, q_heads, kv_heads, seq, head_dim = 2, 4, 2, args.seq_len, 64  # GQA, 2 query heads per kv head
     q = torch.randn(batch, q_heads, seq, head_dim)  # (batch, q_heads, q_len, head_dim)
@@ -40,7 +41,7 @@ def main():
     expected = forward_backward(torchattn.attention_reference, q.double(), k.double(), v.double(), dout,
                                 upcast=True)
 
-    qx, kx, vx = (t.to(torch_xla.device()) for t in (q, k, v))
+    qx, kx, vx = (t.to(device) for t in (q, k, v))
     print(f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, float32, causal, on {qx.device}")
     choice = torchattn.explain(qx, kx, vx, causal=True)
     print(f"explain: auto picks {choice.backend!r}; passed over: {choice.passed_over}")

@@ -20,3 +20,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _xla_runtime_first():
+    """Start torch_xla's runtime before any test runs a backward pass on the CPU.
+
+    A CPU backward before the runtime is up sizes the autograd engine's device
+    queues without the XLA device; every later XLA backward in the process then
+    fails with "device_ready_queues_.size() INTERNAL ASSERT FAILED"
+    (pytorch/xla#4174, still present in torch 2.9 / torch_xla 2.9).
+    """
+    try:
+        import torch_xla
+    except ImportError:  # plain-torch environment: nothing to protect
+        return
+    torch_xla.device()

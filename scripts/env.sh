@@ -5,7 +5,7 @@
 # - Runs `pip install -e '.[EXTRAS]'` only when setup.cfg, pyproject.toml, the
 #   extras or the venv's Python changed since the last successful install (a
 #   hash stamp in .venv, written only after pip succeeds). A fresh install is
-#   about 7.6 GB (PyPI's torch 2.9.0 is the CUDA build) and takes a few minutes.
+#   about 8 GB (PyPI's torch 2.9.0 is the CUDA build) and takes a few minutes.
 #
 # TORCHATTN_EXTRAS picks the extras, default "dev"; on a TPU VM use "tpu,dev".
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
@@ -44,7 +44,7 @@ if [[ -f $stamp ]]; then
     echo "env: setup.cfg, pyproject.toml or the extras changed: pip install -e '.[$extras]' into $venv"
 else
     echo "env: installing torchattn and the pinned stack: pip install -e '.[$extras]' into $venv" \
-        "(first time: ~7.6 GB, a few minutes)"
+        "(first time: ~8 GB, a few minutes)"
 fi
 rm -f "$stamp"
 "$venv/bin/python" -m pip install --progress-bar off -e ".[$extras]"

@@ -36,3 +36,16 @@ def _xla_runtime_first():
     except ImportError:  # plain-torch environment: nothing to protect
         return
     torch_xla.device()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Largest errors against the float64 reference seen in this run, per backend and dtype."""
+    from numerics import MAX_ERRORS
+
+    if not MAX_ERRORS:
+        return
+    terminalreporter.section("max error vs float64 reference")
+    for backend, by_dtype in sorted(MAX_ERRORS.items()):
+        for dtype, errors in sorted(by_dtype.items()):
+            row = "  ".join(f"{name} {err:.2e}" for name, err in errors.items())
+            terminalreporter.write_line(f"{backend:<10} {dtype:<15} {row}")

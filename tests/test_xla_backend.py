@@ -1,0 +1,199 @@
+"""The ``xla`` backend (blockwise attention in torch ops) on XLA:CPU against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchattn
+from torchattn.autograd import _functionalized
+from hlo import assert_no_square, compile_count
+from matrix import pairwise_cases
+from numerics import check_backend
+
+torch_xla = pytest.importorskip("torch_xla")
+
+BACKEND = "xla"
+
+
+@pytest.fixture(scope="module")
+def device():
+    return torch_xla.device()
+
+
+@pytest.mark.parametrize("case", pairwise_cases(), ids=str)
+def test_matches_reference_forward_and_backward(case, device):
+    """Every pair of feature values (lengths incl. q_len != kv_len, head_dim, MHA/GQA/MQA, dtype,
+    causal, window, segments, softcap, bias, dropout) in some case; see tests/matrix.py."""
+    check_backend(case, BACKEND, device=device)
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_gradcheck_float64(backend, device):
+    """causal + segments (a row that sees no key) + softcap + bias with grad + GQA 4:2."""
+    where = device if backend == "xla" else "cpu"
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(1, 2, 6, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    bias = torch.randn(1, 4, 5, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    segment_ids = torch.tensor([[0, 0, 1, 1, 2]]).to(where)  # query 4: id 2, which no key has
+    kv_segment_ids = torch.tensor([[0, 0, 1, 1, 1, 0]]).to(where)
+
+    # Inputs are perturbed on the CPU and moved on each call, so every evaluation
+    # runs one of a few cached XLA graphs instead of compiling one per perturbed element.
+    def attention(q, k, v, bias):
+        out = torchattn.flash_attention(*(t.to(where) for t in (q, k, v)), bias=bias.to(where),
+                                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                                        causal=True, softcap=3.0, backend=backend)
+        return out.cpu()
+
+    assert torch.autograd.gradcheck(attention, (q, k, v, bias))
+
+
+def test_lse_and_its_gradient(device):
+    """lse equals the reference's (-inf on rows that see no key) and gradients flow through it."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 9, 32, generator=g)
+    k, v = (torch.randn(2, 2, 5, 32, generator=g) for _ in range(2))
+    segment_ids = torch.randint(0, 2, (2, 9), generator=g)
+    kv_segment_ids = torch.randint(0, 2, (2, 5), generator=g)
+    # causal with q_len 9 > kv_len 5: queries 0-3 see no key, whatever their segment.
+    kwargs = dict(causal=True, softcap=10.0)
+    w_out, w_lse = torch.randn(2, 4, 9, 32, generator=g), torch.randn(2, 4, 9, generator=g)
+
+    def loss_and_grads(leaves, segments, fn):
+        out, lse = fn(*leaves, segment_ids=segments[0], kv_segment_ids=segments[1], **kwargs)
+        finite = torch.where(torch.isfinite(lse), lse, 0.0)
+        loss = (out * w_out.to(out)).sum() + (finite * w_lse.to(finite)).sum()
+        return lse, torch.autograd.grad(loss, leaves)
+
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    want_lse, want_grads = loss_and_grads(ref_leaves, (segment_ids, kv_segment_ids),
+                                          torchattn.attention_reference)
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    got_lse, got_grads = loss_and_grads(
+        leaves, (segment_ids.to(device), kv_segment_ids.to(device)),
+        lambda *a, **kw: torchattn.flash_attention(*a, return_lse=True, backend=BACKEND, **kw))
+    torch_xla.sync()
+
+    assert got_lse.dtype == torch.float32 and got_lse.shape == (2, 4, 9)
+    assert torch.isneginf(got_lse.cpu()).equal(torch.isneginf(want_lse))
+    assert torch.isneginf(want_lse[:, :, :4]).all()
+    torch.testing.assert_close(got_lse.cpu(), want_lse.float(), atol=1e-5, rtol=1e-5)
+    for name, got, want in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(got.cpu(), want.float(), atol=1e-5, rtol=1e-4, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 1, 50, 1), (2, 1, 1, 300), (1, 4, 50, 300), (2, 4, 1, 1)])
+def test_bias_broadcasts_and_its_gradient(bias_shape, device):
+    """Each bias dim broadcast or full, including the kv dim (bias constant per query row)."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 50, 16, generator=g)
+    k, v = (torch.randn(2, 2, 300, 16, generator=g) for _ in range(2))
+    bias = torch.randn(bias_shape, generator=g)
+    blocks = torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=8, block_kv_bwd=128)
+
+    def run(leaves, fn):
+        out = fn(*leaves[:3], bias=leaves[3], window=(None, 20))
+        return out, torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    want_out, want_grads = run([t.double().requires_grad_() for t in (q, k, v, bias)],
+                               lambda *a, **kw: torchattn.attention_reference(*a, **kw)[0])
+    got_out, got_grads = run([t.to(device).requires_grad_() for t in (q, k, v, bias)],
+                             lambda *a, **kw: torchattn.flash_attention(*a, backend=BACKEND,
+                                                                        block_sizes=blocks, **kw))
+    torch_xla.sync()
+    torch.testing.assert_close(got_out.cpu(), want_out.float(), atol=1e-5, rtol=1e-5)
+    for name, got, want in zip(["dq", "dk", "dv", "dbias"], got_grads, want_grads):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got.cpu(), want.float(), atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_many_blocks_with_dropout(device):
+    """Small kv blocks (forward and backward sizes differ), fully masked blocks, dropout bits
+    indexed by global column across blocks."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 200, 32, generator=g)
+    k, v = (torch.randn(1, 2, 700, 32, generator=g) for _ in range(2))
+    kwargs = dict(causal=True, window=(100, None), dropout_p=0.2, dropout_seed=1234)
+    blocks = torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=8, block_kv_bwd=256)
+
+    def run(leaves, fn):
+        out = fn(*leaves, **kwargs)
+        return out, torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    want_out, want_grads = run([t.double().requires_grad_() for t in (q, k, v)],
+                               lambda *a, **kw: torchattn.attention_reference(*a, **kw)[0])
+    got_out, got_grads = run([t.to(device).requires_grad_() for t in (q, k, v)],
+                             lambda *a, **kw: torchattn.flash_attention(*a, backend=BACKEND,
+                                                                        block_sizes=blocks, **kw))
+    torch_xla.sync()
+    torch.testing.assert_close(got_out.cpu(), want_out.float(), atol=1e-5, rtol=1e-5)
+    for name, got, want in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(got.cpu(), want.float(), atol=1e-4, rtol=1e-4, msg=f"d{name}")
+
+
+def _forward_backward_graph(length, device):
+    """HLO (unoptimised, not compiled) of out, dq, dk, dv for batch 1, 1 head, head_dim 64."""
+    q, k, v = (torch.randn(1, 1, length, 64).to(device).requires_grad_() for _ in range(3))
+    segment_ids = torch.zeros(1, length, dtype=torch.int32).to(device)
+    out = torchattn.flash_attention(q, k, v, causal=True, segment_ids=segment_ids, dropout_p=0.1,
+                                    dropout_seed=7, backend=BACKEND)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    return torch_xla._XLAC._get_xla_tensors_hlo([out, *grads])
+
+
+def test_graph_never_holds_the_score_matrix(device):
+    hlo = _forward_backward_graph(2048, device)
+    assert_no_square(hlo, 2048)
+    # The loop is an XLA While, not unrolled: the graph for 4 kv blocks (2048 keys
+    # in blocks of 512) has the same matmuls as the one for a single block.
+    assert hlo.count(" dot(") == _forward_backward_graph(512, device).count(" dot(")
+    assert " while(" in hlo
+
+
+def test_square_check_catches_dense_attention(device):
+    q = torch.randn(1, 1, 256, 64).to(device)
+    out = torchattn.flash_attention(q, q, q, backend="reference")
+    with pytest.raises(AssertionError, match="256x256"):
+        assert_no_square(torch_xla._XLAC._get_xla_tensors_hlo([out]), 256)
+
+
+def test_views_inside_the_custom_ops_are_functionalized(device):
+    """Inside a custom op torch_xla runs views through as_strided, which gets a view of an
+    offset view wrong; autograd._functionalized restores ordinary torch_xla semantics."""
+
+    def chain(t):
+        return t.view(2, 3, 2, 5).movedim(2, 0)[1].reshape(6, 5)[:, 1:3]  # (6, 2), storage offset 31
+
+    @torch.library.custom_op("torchattn_test::views", mutates_args=())
+    def views(x: torch.Tensor) -> torch.Tensor:
+        return _functionalized(lambda t: (chain(t) * 1,), x)[0]
+
+    x = torch.randn(2, 3, 10)
+    torch.testing.assert_close(views(x.to(device)).cpu(), chain(x))
+
+
+def test_same_shapes_do_not_recompile(device):
+    def step():
+        q, k, v = (torch.randn(2, 4, 100, 32).to(device).requires_grad_() for _ in range(3))
+        out = torchattn.flash_attention(q, k, v, causal=True, softcap=30.0, backend=BACKEND)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        torch_xla.sync()
+        return grads
+
+    step()
+    before = compile_count()
+    step()
+    assert compile_count() == before
+
+
+def test_unavailable_off_xla_devices():
+    q = torch.randn(1, 1, 4, 8)
+    choice = torchattn.explain(q, q, q, backend="reference")
+    assert choice.passed_over["xla"] == "needs tensors on an XLA device; got cpu"
+
+
+def test_chosen_automatically_on_xla_cpu(device):
+    q = torch.randn(1, 1, 4, 8).to(device)
+    assert torchattn.explain(q, q, q).backend == BACKEND

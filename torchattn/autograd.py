@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from . import internals
 from .config import BlockSizes
 from .request import Options, Request
 
@@ -35,28 +36,6 @@ def _options(causal, scale, window_left, window_right, has_window, softcap, drop
     return Options(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p)
 
 
-def _functionalized(fn, *args):
-    """Calls ``fn(*args)`` with XLA tensors as ordinary torch_xla code sees them.
-
-    A custom op hands its implementation XLA tensors unwrapped from their
-    functionalization wrappers, with the Functionalize key excluded. torch_xla
-    then runs view ops through ``as_strided``, which returns wrong values for a
-    view of an offset view (torch_xla 2.9: ``x.view(2, 3, 2, 5).movedim(2, 0)[1]
-    .reshape(6, 5)[:, 1:3]`` on a (2, 3, 10) tensor), and ``scan`` sees the
-    un-permuted shape of a ``movedim``. Re-wrapping restores functionalization.
-    """
-    if args[0].device.type != "xla":
-        return fn(*args)
-    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
-        torch._C.DispatchKey.Functionalize)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
-        outs = fn(*(torch._to_functional_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
-        for t in outs:
-            if t is not None:
-                torch._sync(t)
-        return tuple(torch._from_functional_tensor(t) if t is not None else None for t in outs)
-
-
 @torch.library.custom_op("torchattn::attention_forward", mutates_args=())
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -66,7 +45,7 @@ def attention_forward(
     has_window: bool, softcap: Optional[float], dropout_p: float, block_sizes: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     options = _options(causal, scale, window_left, window_right, has_window, softcap, dropout_p)
-    return _functionalized(_impl(impl).forward, q, k, v, segment_ids, kv_segment_ids, bias, seed,
+    return internals.functionalized(_impl(impl).forward, q, k, v, segment_ids, kv_segment_ids, bias, seed,
                            options, BlockSizes(*block_sizes))
 
 
@@ -87,7 +66,7 @@ def attention_backward(
     bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     options = _options(causal, scale, window_left, window_right, has_window, softcap, dropout_p)
-    dq, dk, dv, dbias = _functionalized(_impl(impl).backward, do, dlse, q, k, v, out, lse, segment_ids,
+    dq, dk, dv, dbias = internals.functionalized(_impl(impl).backward, do, dlse, q, k, v, out, lse, segment_ids,
                                         kv_segment_ids, bias, seed, options, BlockSizes(*block_sizes),
                                         bias_grad)
     # custom ops cannot return None: an empty tensor stands for "no bias gradient".

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import autograd
+from .. import autograd, internals
 from ..dropout import column_keys, element_bits, keep_threshold, row_keys
 from ..masks import visible
 from ..request import Request
@@ -66,7 +66,7 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_siz
             acc = acc * alpha + p @ blk["v"]
             return ((m_new, l, acc), fixed), ()
 
-        ((m, l, acc), _), _ = _scan(step, ((m, l, acc), fixed), blocks)
+        ((m, l, acc), _), _ = internals.scan(step, ((m, l, acc), fixed), blocks)
         seen = l > 0
         l = torch.where(seen, l, 1.0)
         out = torch.where(seen, acc / (l * (1.0 - options.dropout_p)), 0.0)
@@ -111,7 +111,7 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
             return ((dq,), fixed), (dk, dv, *dbias)
 
         dq = torch.zeros((lay.B, lay.Hkv, lay.R, lay.D), dtype=lay.compute, device=q.device)
-        ((dq,), _), grads = _scan(step, ((dq,), fixed), blocks)
+        ((dq,), _), grads = internals.scan(step, ((dq,), fixed), blocks)
         dq = (dq * options.scale).view(q.shape).to(q.dtype)  # rows layout -> (B, Hq, Sq, D)
         dk, dv = (_merge_kv(g, 3, lay.Skv).to(k.dtype) for g in grads[:2])  # (B, Hkv, Skv, D)
         dbias = None
@@ -215,17 +215,3 @@ def _sum_to(ds, shape):
     """Sums ``ds`` over the dims where ``shape`` (a bias block's) broadcasts (is 1)."""
     dims = [i for i, size in enumerate(shape) if size == 1 and ds.shape[i] != 1]
     return ds.sum(dims, keepdim=True) if dims else ds
-
-
-def _scan(step, init, xs):
-    """``step(carry, x) -> (carry, y)`` over the leading dim of ``xs`` as one XLA While.
-
-    torch_xla's public ``scan`` wraps this core in an autograd layer we do not
-    need (our backward is written by hand): it AOT-traces ``step``'s derivative
-    and stacks per-iteration activations (here, every block's probabilities:
-    the whole score matrix) as loop outputs, left to XLA's dead-code pass.
-    Every tensor ``step`` reads comes in through ``init``/``xs``, not a closure.
-    """
-    from torch_xla.experimental.scan import _scan_impl_pytree  # torch_xla 2.9
-
-    return _scan_impl_pytree(step, init, xs)

@@ -1,0 +1,99 @@
+"""Every private torch / torch_xla / jax entry point torchattn uses, and why.
+
+Verified with the pinned set (torch 2.9.0, torch_xla 2.9.0, jax 0.7.1; see
+torchattn/_versions.py, which warns on any other set). When upgrading, this
+module and tests/test_tpu_lowering.py, tests/test_xla_backend.py are where
+breakage shows first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+_JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int32: "int32"}
+
+
+# ---------------------------------------------------------------------------
+# Compiled Pallas kernels as TPU custom calls (the route torch_xla's own Pallas
+# flash attention takes; no public API adds a Mosaic kernel to a torch_xla graph).
+
+
+def tpu_custom_call(fn, args, out_shapes) -> tuple[torch.Tensor, ...]:
+    """Adds jax function ``fn`` (one pallas_call) to the graph as a ``tpu_custom_call``."""
+    import torch_xla
+
+    payload = mosaic_payload(fn, tuple((tuple(a.shape), a.dtype) for a in args))
+    outs = torch_xla._XLAC._xla_tpu_custom_call(
+        list(args), payload, [list(s) for s, _ in out_shapes], [d for _, d in out_shapes])
+    return tuple(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def mosaic_payload(fn, signature) -> str:
+    """The Mosaic backend config of ``fn`` lowered for TPU; fn must hold one pallas_call."""
+    import jax
+    # Registers pallas_call's Mosaic lowering for the "tpu" platform, which a jax
+    # without libtpu (a CPU machine building the graph) does not load by itself.
+    import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401
+
+    structs = [jax.ShapeDtypeStruct(shape, _JAX_DTYPES[dtype]) for shape, dtype in signature]
+    module = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compiler_ir()
+    configs = [op.attributes["backend_config"].value for op in _walk(module.operation)
+               if op.name == "stablehlo.custom_call"
+               and op.attributes["call_target_name"].value == "tpu_custom_call"]
+    if len(configs) != 1:
+        raise RuntimeError(f"expected one tpu_custom_call in the lowered kernel, found {len(configs)}")
+    return configs[0]
+
+
+def _walk(operation):
+    for region in operation.regions:
+        for block in region.blocks:
+            for op in block.operations:
+                yield op.operation
+                yield from _walk(op.operation)
+
+
+# ---------------------------------------------------------------------------
+# Custom-op bodies on XLA tensors.
+
+
+def functionalized(fn, *args):
+    """Calls ``fn(*args)`` with XLA tensors as ordinary torch_xla code sees them.
+
+    A custom op hands its implementation XLA tensors unwrapped from their
+    functionalization wrappers, with the Functionalize key excluded. torch_xla
+    then runs view ops through ``as_strided``, which it does not support as a
+    view of a view (torch_xla expects functionalization to turn views into
+    copies: pytorch/xla#5848, pytorch/xla#6462). Seen in torch_xla 2.9:
+    ``x.view(2, 3, 2, 5).movedim(2, 0)[1].reshape(6, 5)[:, 1:3]`` on a (2, 3, 10)
+    tensor returns wrong values, and ``scan`` sees a ``movedim`` unpermuted.
+    Re-wrapping the tensors restores functionalization.
+    """
+    if args[0].device.type != "xla":
+        return fn(*args)
+    excluded = torch._C._dispatch_tls_local_exclude_set() - torch._C.DispatchKeySet(
+        torch._C.DispatchKey.Functionalize)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded):
+        outs = fn(*(torch._to_functional_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        for t in outs:
+            if t is not None:
+                torch._sync(t)
+        return tuple(torch._from_functional_tensor(t) if t is not None else None for t in outs)
+
+
+def scan(step, init, xs):
+    """``step(carry, x) -> (carry, y)`` over the leading dim of ``xs`` as one XLA While.
+
+    The core of ``torch_xla.experimental.scan``. The public ``scan`` adds an
+    autograd layer that the ``xla`` backend does not need (its backward is
+    written by hand): it AOT-traces ``step``'s derivative (about 0.6 s per new
+    shape) and stacks every iteration's activations (here all blocks'
+    probabilities: the whole score matrix) as loop outputs. Every tensor
+    ``step`` reads must come in through ``init``/``xs``, not a closure.
+    """
+    from torch_xla.experimental.scan import _scan_impl_pytree
+
+    return _scan_impl_pytree(step, init, xs)

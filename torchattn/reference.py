@@ -60,6 +60,8 @@ def attention_reference(
     if segment_ids is not None:
         same = segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
         mask = mask & same
+    if bias is not None:  # a -inf bias hides a key like a mask does (as in the blockwise backends)
+        mask = mask & (scores > float("-inf"))
     # Rows that see nothing get finite dummy scores so logsumexp and its
     # gradient stay finite; their probabilities are zeroed below.
     row_sees = mask.any(dim=-1, keepdim=True)

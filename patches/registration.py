@@ -1,0 +1,45 @@
+"""Registers torchattn under transformers' own extension points."""
+
+from __future__ import annotations
+
+import warnings
+
+import transformers
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import flash_attention_mask
+
+from .attention import torchattn_attention
+
+NAME = "torchattn"  # no "sdpa"/"flash"/"flex" inside: transformers dispatches on those substrings
+VERIFIED_TRANSFORMERS = (">=5.24", "<5.25")  # the range tests/test_patches_*.py ran against
+
+
+class UnverifiedTransformersWarning(UserWarning):
+    """The installed transformers is outside the range the patches were tested with."""
+
+
+_warned = False
+
+
+def register() -> None:
+    """Registers ``"torchattn"`` with AttentionInterface and AttentionMaskInterface (idempotent).
+
+    The mask function is transformers' ``flash_attention_mask``: models then hand
+    the attention function a 2-D (batch, kv_len) padding mask or None, never a
+    dense (q_len x kv_len) one; causal, window and packing come from the module
+    and kwargs (see patches/masks.py).
+    """
+    AttentionInterface.register(NAME, torchattn_attention)
+    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    _check_version(transformers.__version__)
+
+
+def _check_version(version: str) -> None:
+    global _warned
+    major_minor = tuple(int(p) for p in version.split(".")[:2])
+    if major_minor == (5, 24) or _warned:
+        return
+    _warned = True
+    warnings.warn(f"torchattn patches were verified with transformers {','.join(VERIFIED_TRANSFORMERS)}; "
+                  f"found {version}. Attention refactors upstream are what breaks patchers: run "
+                  "tests/test_patches_*.py before relying on it.", UnverifiedTransformersWarning, stacklevel=3)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, load
+from .common import (LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs,
+                     q_grid_maps)
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -122,10 +123,6 @@ def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
         dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
-def _params(semantics):
-    return pltpu.CompilerParams(dimension_semantics=semantics)
-
-
 @functools.lru_cache(maxsize=None)
 def dq_call(spec: KernelSpec, with_ds: bool):
     """jax function (seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dq, [ds]).
@@ -133,49 +130,25 @@ def dq_call(spec: KernelSpec, with_ds: bool):
     lse, delta: float32 (batch, q_heads, q_pad, 128); ds: float32 (batch, q_heads,
     q_pad, kv_pad). Other shapes as in :func:`forward_call`. Memoised per spec.
     """
-    bq, bkv, d, g = spec.block_q, spec.block_kv, spec.head_dim, spec.groups
-
-    def q_map(b, h, i, j, seed):
-        return b, h, i, 0
-
-    def kv_map(b, h, i, j, seed):
-        return b, h // g, spec.clamp_kv_block(i, j), 0
-
+    bq, bkv, d = spec.block_q, spec.block_kv, spec.head_dim
+    q_map, kv_map = q_grid_maps(spec)
     in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
                 pl.BlockSpec((None, None, bkv, d), kv_map),
                 pl.BlockSpec((None, None, bkv, d), kv_map),
                 pl.BlockSpec((None, None, bq, d), q_map),
                 pl.BlockSpec((None, None, bq, LANES), q_map),
-                pl.BlockSpec((None, None, bq, LANES), q_map)]
-    if spec.has_segments:
-        in_specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
-                     pl.BlockSpec((None, SUBLANES, bkv),
-                                  lambda b, h, i, j, seed: (b, 0, spec.clamp_kv_block(i, j)))]
-    if spec.bias_shape is not None:
-        in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, h, i, j, seed: spec.bias_index(
-            b, h, i, spec.clamp_kv_block(i, j))))
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+                *q_grid_mask_specs(spec)]
     out_specs = [pl.BlockSpec((None, None, bq, d), q_map)]
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype))]
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, seed: (b, h, i, j)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
-    call = pl.pallas_call(
+    return launcher(
         functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
-            in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)]),
-        out_shape=out_shape,
-        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=spec.interpret,
-        name="torchattn_backward_dq",
-    )
-
-    def run(seed, *arrays):
-        return tuple(call(seed, *arrays))
-
-    return run
+        spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)], name="torchattn_backward_dq")
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,22 +178,11 @@ def dkv_call(spec: KernelSpec):
     if spec.bias_shape is not None:
         in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, hk, j, t, seed: spec.bias_index(
             b, hk * g + t // nq, spec.clamp_q_block(j, t % nq), j)))
-    out_specs = [pl.BlockSpec((None, None, bkv, d), kv_map), pl.BlockSpec((None, None, bkv, d), kv_map)]
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
-    call = pl.pallas_call(
+    return launcher(
         functools.partial(dkv_kernel, spec=spec),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
-            in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)]),
+        spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
+        in_specs=in_specs, out_specs=[pl.BlockSpec((None, None, bkv, d), kv_map)] * 2,
         out_shape=[kv_shape, kv_shape],
-        compiler_params=_params(("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=spec.interpret,
-        name="torchattn_backward_dkv",
-    )
-
-    def run(seed, *arrays):
-        return tuple(call(seed, *arrays))
-
-    return run
+        scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
+        name="torchattn_backward_dkv")

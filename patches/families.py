@@ -23,6 +23,7 @@ class Family:
     route: Route
     features: tuple[str, ...]
     adapter: str | None = None  # module in patches/adapters/
+    not_served: tuple[str, ...] = ()  # "what: why" for inputs the family cannot be served (printed by --list)
 
     @property
     def status(self) -> str:
@@ -35,15 +36,23 @@ VERIFIED = (
     Family("DistilBERT", "distilbert", Route.INTERFACE, ("bidirectional", "padding", "packing (cu_seq_lens)", "dropout")),
     Family("ModernBERT", "modernbert", Route.INTERFACE,
            ("bidirectional", "local sliding window", "padding", "packing (cu_seq_lens)", "dropout")),
-    Family("LayoutLM", "layoutlm", Route.INTERFACE, ("bidirectional", "padding (broadcast mask as bias)", "dropout")),
+    Family("LayoutLM", "layoutlm", Route.INTERFACE,
+           ("bidirectional", "padding (broadcast mask as bias)", "packing (cu_seq_lens)", "dropout")),
     Family("LayoutLMv3", "layoutlmv3", Route.INTERFACE,
-           ("bidirectional", "1-D + 2-D relative position bias (dense)", "padding", "dropout")),
+           ("bidirectional", "1-D + 2-D relative position bias (dense)", "padding", "packing (cu_seq_lens)",
+            "dropout")),
     Family("LiLT", "lilt", Route.ADAPTER, ("bidirectional", "text + layout streams share one score matrix",
-                                            "padding", "dropout"), adapter="lilt"),
+                                            "padding", "dropout"), adapter="lilt",
+           not_served=("packing: LiltModel.forward drops its **kwargs, so neither cu_seq_lens_q/k nor "
+                       "position_ids reach the attention",)),
     Family("MPNet", "mpnet", Route.ADAPTER, ("bidirectional", "relative position bias (dense, trained)",
-                                              "padding", "dropout"), adapter="mpnet"),
+                                              "padding", "dropout"), adapter="mpnet",
+           not_served=("packing: MPNetModel.forward drops its **kwargs, so neither cu_seq_lens_q/k nor "
+                       "position_ids reach the attention",)),
     Family("RoFormer", "roformer", Route.ADAPTER, ("bidirectional", "rotary q/k (and v)", "padding", "dropout"),
-           adapter="roformer"),
+           adapter="roformer",
+           not_served=("packing: cu_seq_lens_q/k and position_ids reach RoFormerSelfAttention, but the "
+                       "adapter does not pass them on",)),
     Family("Llama", "llama", Route.INTERFACE, ("causal", "GQA", "padding", "packing", "dropout")),
     Family("Qwen2", "qwen2", Route.INTERFACE, ("causal", "GQA", "sliding window layers", "padding", "packing")),
     Family("Mistral", "mistral", Route.INTERFACE, ("causal", "GQA", "sliding window", "padding", "packing")),
@@ -86,7 +95,8 @@ def lookup(model) -> Family | None:
 
 def table() -> str:
     rows = [("family", "model_type", "route", "status", "attention features")]
-    rows += [(f.name, f.model_type, f.route.value, f.status, ", ".join(f.features)) for f in VERIFIED]
+    rows += [(f.name, f.model_type, f.route.value, f.status,
+              "; ".join([", ".join(f.features), *(f"not served: {n}" for n in f.not_served)])) for f in VERIFIED]
     rows += [(t, t, "-", "unsupported", reason) for t, reason in UNSUPPORTED.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows)

@@ -47,7 +47,11 @@ def from_hf(attention_mask, *, batch: int, q_len: int, kv_len: int, dtype: torch
         dense = bias.shape[-2] > 1  # a (batch, 1, 1, kv_len) mask is a broadcast bias: no q_len x kv_len memory
         if dense:
             _warn_dense(model)
-        return MaskArguments(bias=bias[..., :kv_len], dense=dense)
+            return MaskArguments(bias=bias[..., :kv_len], dense=True)
+        # A key-padding bias says nothing about documents: LayoutLM builds one even for a
+        # packed batch, whose cu_seq_lens_q/k still arrive as kwargs.
+        packed = _packed(batch, q_len, kv_len, position_ids, cu_seq_lens_q, cu_seq_lens_k)
+        return dataclasses.replace(packed, bias=bias[..., :kv_len])
     raise ValueError(f"attention_mask: expected None, 2-D (batch, kv_len) or 4-D (batch, 1|heads, q_len, kv_len), "
                      f"got shape {tuple(attention_mask.shape)} from {model}")
 

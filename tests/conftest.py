@@ -2,6 +2,7 @@
 so plain `pytest` behaves like scripts/test.sh."""
 
 import os
+import sys
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 # XLA:CPU keeps thousands of memory mappings per cached executable; a suite that
@@ -39,7 +40,9 @@ def _xla_runtime_first():
 
 
 def pytest_terminal_summary(terminalreporter):
-    """Largest errors against the float64 reference seen in this run, per backend and dtype."""
+    """Largest errors against the float64 reference seen in this run, per backend and dtype;
+    largest differences of patched Hugging Face models from eager, per family."""
+    _family_summary(terminalreporter)
     from numerics import MAX_ERRORS
 
     if not MAX_ERRORS:
@@ -49,3 +52,19 @@ def pytest_terminal_summary(terminalreporter):
         for dtype, errors in sorted(by_dtype.items()):
             row = "  ".join(f"{name} {err:.2e}" for name, err in errors.items())
             terminalreporter.write_line(f"{backend:<10} {dtype:<15} {row}")
+
+
+def _family_summary(terminalreporter):
+    hf_models = sys.modules.get("hf_models")  # only if a family test ran
+    if hf_models is None or not hf_models.MAX_DIFFS:
+        return
+    terminalreporter.section("max |patched - eager| per family (tests/test_patches_families.py)")
+    terminalreporter.write_line("out: last hidden state at real tokens; grad: every parameter gradient (rel: over the "
+                                "largest |grad|); packed(_pos): packed row vs documents alone, from cu_seq_lens "
+                                "(position_ids)")
+    names = ("out", "grad", "grad_rel", "packed", "packed_pos")
+    terminalreporter.write_line(f"{'family':<12} {'backend':<10} " + " ".join(f"{n:>9}" for n in names))
+    for family, by_backend in hf_models.MAX_DIFFS.items():
+        for backend, diffs in sorted(by_backend.items()):
+            cells = " ".join(f"{diffs[n]:9.1e}" if n in diffs else f"{'-':>9}" for n in names)
+            terminalreporter.write_line(f"{family:<12} {backend:<10} {cells}")

@@ -22,7 +22,9 @@ def assert_no_square(hlo: str, n: int) -> None:
     """Fails if an array in ``hlo`` could hold an (n x n) score matrix: two dims >= n,
     or at least n * n elements (a stack of (n, block) slices counts too).
 
-    Pick shapes whose legitimate arrays (q, k, v, ...) stay below n * n elements.
+    Pick shapes whose legitimate arrays (q, k, v, ...) stay below n * n elements. The
+    ``xla`` backend holds (batch, heads, q_len, block_kv) scores per step: keep
+    batch * heads * block_kv below n (small blocks) for a patched model at n = 1024.
     """
     bad = sorted(s for s in array_shapes(hlo)
                  if sum(d >= n for d in s) >= 2 or math.prod(s) >= n * n)

@@ -39,6 +39,14 @@ def _xla_runtime_first():
     torch_xla.device()
 
 
+@pytest.fixture(scope="session")
+def device():
+    """The XLA device (XLA:CPU here) for tests that need torch_xla."""
+    import torch_xla
+
+    return torch_xla.device()
+
+
 def pytest_terminal_summary(terminalreporter):
     """Largest errors against the float64 reference seen in this run, per backend and dtype;
     largest differences of patched Hugging Face models from eager, per family."""

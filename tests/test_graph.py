@@ -19,11 +19,6 @@ torch_xla = pytest.importorskip("torch_xla")
 BLOCKWISE = ["interpret", "xla"]
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def _forward_backward_graph(backend, length, device):
     """HLO (unoptimised, never compiled) of out, dq, dk, dv for batch 1, 1 head, head_dim 64."""
     q, k, v = (torch.randn(1, 1, length, 64).to(device).requires_grad_() for _ in range(3))

@@ -14,11 +14,6 @@ torch_xla = pytest.importorskip("torch_xla")
 BACKEND = "interpret"
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
 def test_matches_reference_forward_and_backward(case, device):
     check_backend(case, BACKEND, device=device)

@@ -45,11 +45,6 @@ BLOCKS = torchattn.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv
 ATOL, RTOL = 1e-4, 1e-4
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """The backend of every torchattn.flash_attention call: proves the patched model really

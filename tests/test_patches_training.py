@@ -25,11 +25,6 @@ CONFIG = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_
 MARKER = 4  # label 1 iff this token is in the sequence
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 def tiny_bert(device) -> transformers.BertForSequenceClassification:
     torch.manual_seed(0)
     model = transformers.BertForSequenceClassification(transformers.BertConfig(**CONFIG)).to(device)

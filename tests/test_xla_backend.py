@@ -15,11 +15,6 @@ torch_xla = pytest.importorskip("torch_xla")
 BACKEND = "xla"
 
 
-@pytest.fixture(scope="module")
-def device():
-    return torch_xla.device()
-
-
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
 def test_matches_reference_forward_and_backward(case, device):
     """Every pair of feature values (lengths incl. q_len != kv_len, head_dim, MHA/GQA/MQA, dtype,

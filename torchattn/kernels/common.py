@@ -14,9 +14,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
+from ..config import LANES, SUBLANES  # noqa: F401  (re-exported for the kernel builders)
 
-LANES = 128  # per-row values (lse, delta, q segment ids) travel lane-broadcast: (rows, 128)
-SUBLANES = 8  # per-column values (kv segment ids) travel sublane-broadcast: (8, cols)
+# Per-row values (lse, delta, q segment ids) travel lane-broadcast as (rows, LANES);
+# per-column values (kv segment ids) sublane-broadcast as (SUBLANES, cols).
+
 
 
 @dataclasses.dataclass(frozen=True)

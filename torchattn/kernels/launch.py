@@ -9,10 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..config import BlockSizes, round_up
+from ..config import LANES, SUBLANES, BlockSizes, round_up
 from ..request import Options, Request
 from . import bridge
-from .common import LANES, SUBLANES
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -105,7 +104,8 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel
-    rows = [_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad), _per_row(lse, spec.q_pad), _per_row(delta, spec.q_pad)]
+    rows = [_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad),
+            _per_row(lse, spec.q_pad), _per_row(delta, spec.q_pad)]
     # Kernel argument order: seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias].
     kernel_args = [_seed(seed, q.device), *arrays[:3], *rows, *arrays[3:]]
     dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]

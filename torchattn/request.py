@@ -84,11 +84,6 @@ class Request:
     def device(self) -> torch.device:
         return self.q.device
 
-    @property
-    def needs_grad(self) -> bool:
-        tensors = (self.q, self.k, self.v, self.bias)
-        return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
     def resolved_block_sizes(self) -> BlockSizes:
         if self.block_sizes is not None:
             return self.block_sizes

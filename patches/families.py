@@ -33,7 +33,8 @@ class Family:
 VERIFIED = (
     Family("BERT", "bert", Route.INTERFACE, ("bidirectional", "padding", "packing", "dropout")),
     Family("RoBERTa", "roberta", Route.INTERFACE, ("bidirectional", "padding", "packing", "dropout")),
-    Family("DistilBERT", "distilbert", Route.INTERFACE, ("bidirectional", "padding", "packing (cu_seq_lens)", "dropout")),
+    Family("DistilBERT", "distilbert", Route.INTERFACE,
+           ("bidirectional", "padding", "packing (cu_seq_lens)", "dropout")),
     Family("ModernBERT", "modernbert", Route.INTERFACE,
            ("bidirectional", "local sliding window", "padding", "packing (cu_seq_lens)", "dropout")),
     Family("LayoutLM", "layoutlm", Route.INTERFACE,

@@ -104,7 +104,8 @@ def test_fully_masked_rows_give_zero_output_and_gradient(device):
     leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
     seg = torch.zeros(1, 16, dtype=torch.int32)
     seg[:, :4] = 7  # queries 0..3 carry an id no key has
-    out = torchattn.flash_attention(*leaves, segment_ids=seg.to(device), kv_segment_ids=torch.zeros_like(seg).to(device),
+    out = torchattn.flash_attention(*leaves, segment_ids=seg.to(device),
+                                    kv_segment_ids=torch.zeros_like(seg).to(device),
                                     backend=BACKEND)
     dq, dk, dv = torch.autograd.grad(out, leaves, torch.randn(1, 2, 16, 32, device=device))
     torch_xla.sync()

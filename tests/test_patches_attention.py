@@ -25,7 +25,8 @@ def _eager(q, k, v, keep, scaling, bias=None):
 
 def _qkv(batch=2, q_heads=4, kv_heads=2, length=11, dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, q_heads, length, dim, generator=g), torch.randn(batch, kv_heads, length, dim, generator=g),
+    return (torch.randn(batch, q_heads, length, dim, generator=g),
+            torch.randn(batch, kv_heads, length, dim, generator=g),
             torch.randn(batch, kv_heads, length, dim, generator=g))
 
 

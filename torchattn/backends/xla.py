@@ -9,7 +9,7 @@ groups * q_len) rows against the shared K/V head, so K/V are never repeated.
 
 Inside the loop every tensor is in the "rows" layout: (B, Hkv, R, ...) with
 R = G * Sq rows, row r being query r % Sq of query head kv_head * G + r // Sq.
-Everything is computed in float32 (float64 for float64 inputs).
+Everything is computed in float32; float64 inputs stay float64 throughout, lse included.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_siz
         out = torch.where(seen, acc / (l * (1.0 - options.dropout_p)), 0.0)
         lse = torch.where(seen, m + torch.log(l), _NEG_INF)
         out = out.view(lay.B, lay.Hq, lay.Sq, lay.D).to(q.dtype)  # rows layout -> (B, Hq, Sq, D)
-        return out, lse.view(lay.B, lay.Hq, lay.Sq).to(torch.float32)
+        return out, lse.view(lay.B, lay.Hq, lay.Sq).to(autograd.lse_dtype(q))
 
 
 def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options,

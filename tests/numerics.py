@@ -34,6 +34,7 @@ class Case:
     segments: str | None = None  # None, "padding", "packed", "unmatched" (rows seeing no key)
     softcap: float | None = None
     bias: str | None = None  # None, "full", "broadcast" (1, heads, 1, kv_len)
+    bias_dtype: torch.dtype | None = None  # None: the case's dtype
     dropout_p: float = 0.0
 
     def __str__(self):
@@ -110,18 +111,27 @@ def _grads(fn, q, k, v, do, bias):
     return out.detach(), grads
 
 
-def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: bool = True):
-    """Runs ``case`` on ``backend`` and asserts the error rule; returns the errors."""
+def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: bool = True, attention=None):
+    """Runs ``case`` on ``backend`` and asserts the error rule; returns the errors.
+
+    attention: a stand-in for ``flash_attention(..., backend=backend)`` with the same signature,
+    to show that the rule rejects results known to be wrong (tests/test_numerics_checker.py).
+    """
+    if attention is None:
+        def attention(*args, **kwargs):
+            return torchattn.flash_attention(*args, backend=backend, **kwargs)
     q, k, v, do, kwargs = make_inputs(case, seed)
 
     def run(fn_device, dtype, fn):
-        def move(t):
+        def move(t, to_dtype=dtype):
             if not isinstance(t, torch.Tensor):
                 return t
             t = t.to(fn_device)
-            return t.to(dtype).requires_grad_(grads) if t.is_floating_point() else t
+            return t.to(to_dtype).requires_grad_(grads) if t.is_floating_point() else t
         args = [move(t) for t in (q, k, v)]
-        kw = {name: move(t) for name, t in kwargs.items()}
+        # The exact run keeps float64 throughout; the others give the bias its own dtype.
+        bias_dtype = case.bias_dtype if case.bias_dtype is not None and dtype != torch.float64 else dtype
+        kw = {name: move(t, bias_dtype if name == "bias" else dtype) for name, t in kwargs.items()}
         bias = kw.get("bias")
         if not grads:
             with torch.no_grad():
@@ -137,8 +147,7 @@ def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: b
 
     exact_out, exact_grads = run("cpu", torch.float64, lambda *a, **kw: ref(*a, upcast=True, **kw))
     base_out, base_grads = run("cpu", case.dtype, lambda *a, **kw: ref(*a, upcast=False, **kw))
-    got_out, got_grads = run(device or "cpu", case.dtype,
-                             lambda *a, **kw: torchattn.flash_attention(*a, backend=backend, **kw))
+    got_out, got_grads = run(device or "cpu", case.dtype, attention)
 
     names = ["out"] + ["dq", "dk", "dv", "dbias"][: len(exact_grads)]
     # The floor scales with the largest exact quantity of the case, not only this

@@ -93,7 +93,7 @@ OPTION_ERRORS = {
     "scale_nan": (dict(scale=float("nan")), ValueError, r"scale: .* got nan"),
     "scale_str": (dict(scale="0.1"), TypeError, r"scale: expected a positive float or None, got str"),
     "scale_bool": (dict(scale=True), TypeError, r"scale: .* got bool"),
-    "scale_tensor": (dict(scale=torch.tensor(0.1)), TypeError, r"scale: .* got Tensor"),
+    "scale_tensor": (dict(scale=torch.tensor(0.1)), TypeError, r"scale: .* got torch\.Tensor"),
     "softcap_zero": (dict(softcap=0), ValueError, r"softcap: expected a finite float > 0 or None, got 0"),
     "softcap_negative": (dict(softcap=-30.0), ValueError, r"softcap: .* got -30\.0"),
     "softcap_str": (dict(softcap="30"), TypeError, r"softcap: expected a positive float or None, got str"),
@@ -326,3 +326,70 @@ def test_no_warning_when_preferred_backend_serves(monkeypatch):
         warnings.simplefilter("always")
         torchattn.flash_attention(q, k, v, causal=True, window=(2, 0))
     assert _torchattn_warnings(record) == []
+
+
+# ---------------------------------------------------------------------------
+# NumPy scalars are accepted where a bool, int or float is meant; errors name the real type.
+
+np = pytest.importorskip("numpy")
+
+NUMPY_EQUIVALENTS = {
+    "causal": (dict(causal=np.bool_(True)), dict(causal=True)),
+    "return_lse": (dict(return_lse=np.bool_(True)), dict(return_lse=True)),
+    "window": (dict(window=(np.int64(3), np.int32(1))), dict(window=(3, 1))),
+    "scale_softcap": (dict(scale=np.float32(0.25), softcap=np.float64(5.0)), dict(scale=0.25, softcap=5.0)),
+    "dropout": (dict(dropout_p=np.float64(0.25), dropout_seed=np.int64(2**40 + 7)),
+                dict(dropout_p=0.25, dropout_seed=2**40 + 7)),
+}
+
+
+@pytest.mark.parametrize("name", NUMPY_EQUIVALENTS)
+def test_numpy_scalars_act_like_python_ones(name):
+    numpy_kwargs, python_kwargs = NUMPY_EQUIVALENTS[name]
+    q, k, v = qkv()
+    got = torchattn.flash_attention(q, k, v, backend="reference", **numpy_kwargs)
+    want = torchattn.flash_attention(q, k, v, backend="reference", **python_kwargs)
+    for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+        assert torch.equal(g, w)
+
+
+def test_numpy_block_sizes_equal_python_ones():
+    sizes = torchattn.BlockSizes(np.int64(8), np.int64(128), np.int32(16), np.int64(128))
+    assert sizes == torchattn.BlockSizes(8, 128, 16, 128)
+    assert [type(getattr(sizes, f)) for f in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd")] == [int] * 4
+
+
+TYPE_NAME_ERRORS = {
+    "causal_numpy_int": (dict(causal=np.int64(1)), r"causal: expected bool, got numpy\.int64"),
+    "causal_tensor": (dict(causal=torch.tensor(True)), r"causal: expected bool, got torch\.Tensor"),
+    "return_lse_numpy_float": (dict(return_lse=np.float32(1.0)), r"return_lse: expected bool, got numpy\.float32"),
+    "scale_numpy_bool": (dict(scale=np.bool_(True)), r"scale: expected a positive float or None, got numpy\.bool"),
+    "dropout_p_numpy_bool": (dict(dropout_p=np.bool_(False)),
+                             r"dropout_p: expected a float in \[0, 1\), got numpy\.bool"),
+    "seed_numpy_bool": (dict(dropout_p=0.1, dropout_seed=np.bool_(True)),
+                        r"dropout_seed: expected an int or integer tensor, got numpy\.bool"),
+}
+
+
+@pytest.mark.parametrize("name", TYPE_NAME_ERRORS)
+def test_errors_name_the_real_type(name):
+    kwargs, match = TYPE_NAME_ERRORS[name]
+    with pytest.raises(TypeError, match=match):
+        call(**kwargs)
+
+
+@pytest.mark.parametrize("value", [np.bool_(True), np.float64(1.0)], ids=["numpy_bool", "numpy_float"])
+def test_window_side_numpy_non_integer(value):
+    with pytest.raises(ValueError, match=r"window: expected left to be an int >= 0 or None, got np\."):
+        call(window=(value, None))
+
+
+def test_block_sizes_numpy_bool_is_refused():
+    with pytest.raises(ValueError, match=r"BlockSizes\.block_q: expected a positive multiple of 8, got np\.True_"):
+        torchattn.BlockSizes(np.bool_(True), 128, 8, 128)
+
+
+@pytest.mark.parametrize("backend", [["xla"], None, 3], ids=["list", "none", "int"])
+def test_backend_not_a_string(backend):
+    with pytest.raises(ValueError, match=r"backend: expected 'auto' or one of \[.*\], got "):
+        call(backend=backend)

@@ -6,10 +6,11 @@ import numbers
 
 import torch
 
-from . import backends
+from . import backends, segments
 from .config import BlockSizes
 from .dropout import MASK32, seed_to_uint32
 from .request import Options, Request
+from .types import is_bool, type_name
 
 MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -40,8 +41,8 @@ def flash_attention(
         k, v: (batch, kv_heads, kv_len, head_dim); q_heads a multiple of kv_heads
             (GQA/MQA: query head h reads key/value head h // (q_heads // kv_heads)).
         returns out: (batch, q_heads, q_len, head_dim) in q's dtype, and with
-            ``return_lse`` also lse: (batch, q_heads, q_len) float32, the log of
-            each row's softmax denominator.
+            ``return_lse`` also lse: (batch, q_heads, q_len), the log of each row's
+            softmax denominator: float32, or float64 for float64 inputs.
 
     Args:
         causal: query i sees key j iff j <= i + (kv_len - q_len), aligned to the
@@ -58,22 +59,31 @@ def flash_attention(
         segment_ids: int (batch, q_len); kv_segment_ids: int (batch, kv_len). A
             query sees only keys with the same id: padding and packed documents
             without a dense mask. kv ids default to the q ids when q_len == kv_len.
+            Any integer dtype; ids wider than 32 bits are compared in full (never
+            modulo 2**32), relabelled on the device without reading them back.
         softcap: logits become softcap * tanh(logits / softcap) (Gemma 2),
             before ``bias`` is added and before masking.
         bias: float, broadcastable to (batch, q_heads, q_len, kv_len), added to the
             logits (relative positions: T5, ALiBi, LayoutLMv3). Dense by nature:
-            its gradient, returned when it requires grad, has its full size.
+            its gradient, returned when it requires grad, has its full size and the
+            bias's dtype. A bias in q's dtype is used as it is; any other floating
+            dtype is cast to the dtype of the scores (float32, float64 for float64 q).
         dropout_p: attention dropout in [0, 1), applied to the probabilities.
         dropout_seed: int or one-element integer tensor, required when
             dropout_p > 0. Same seed, same mask on every backend; see
             :func:`torchattn.dropout_mask`. Pass a new seed each step.
-        return_lse: also return the float32 log-sum-exp per query row.
+        return_lse: also return the log-sum-exp per query row.
         block_sizes: kernel tiling, :class:`torchattn.BlockSizes`; default per
-            head_dim and lengths.
+            head_dim and lengths. Blocks longer than the sequence are clamped to it.
         backend: "auto", "pallas", "interpret", "xla", "reference" or "sdpa";
             see :func:`explain`.
 
     A query row that sees no key returns 0 with lse -inf and gets zero gradient.
+    Where a bool, int or float is meant, NumPy scalars of that kind are accepted.
+
+    The ``pallas``, ``interpret`` and ``xla`` backends support ``torch.func.grad``
+    but neither ``torch.vmap`` nor double backward (second-order gradients); both
+    raise NotImplementedError.
     """
     request = _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids,
                         softcap, bias, dropout_p, dropout_seed, return_lse, block_sizes)
@@ -110,7 +120,7 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
               dropout_p, dropout_seed, return_lse, block_sizes) -> Request:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type_name(t)}")
         if t.dim() != 4:
             raise ValueError(f"{name}: expected 4 dims (batch, heads, seq_len, head_dim), "
                              f"got {t.dim()} dims with shape {tuple(t.shape)}")
@@ -138,18 +148,18 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim: expected <= {MAX_HEAD_DIM}, got {head_dim}")
 
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected bool, got {type(causal).__name__}")
+    causal = _check_bool("causal", causal)
     scale = _positive_float("scale", scale, default=head_dim**-0.5)
     softcap = _positive_float("softcap", softcap, default=None)
     window = _check_window(window)
     segment_ids, kv_segment_ids = _check_segments(segment_ids, kv_segment_ids, q, k)
+    if segment_ids is not None:
+        segment_ids, kv_segment_ids = segments.to_int32(segment_ids, kv_segment_ids)
     bias = _check_bias(bias, q, k)
     seed = _check_dropout(dropout_p, dropout_seed, q.device)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected bool, got {type(return_lse).__name__}")
+    return_lse = _check_bool("return_lse", return_lse)
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type(block_sizes).__name__}")
+        raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(block_sizes)}")
 
     options = Options(causal=causal, scale=scale, window=window, softcap=softcap,
                       dropout_p=float(dropout_p))
@@ -158,11 +168,17 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
                    block_sizes=block_sizes)
 
 
+def _check_bool(name, value) -> bool:
+    if not is_bool(value):
+        raise TypeError(f"{name}: expected bool, got {type_name(value)}")
+    return bool(value)
+
+
 def _positive_float(name, value, default):
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}: expected a positive float or None, got {type(value).__name__}")
+    if is_bool(value) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a positive float or None, got {type_name(value)}")
     if not value > 0 or value == float("inf"):
         raise ValueError(f"{name}: expected a finite float > 0 or None, got {value}")
     return float(value)
@@ -176,7 +192,7 @@ def _check_window(window):
     for side, value in zip(("left", "right"), window):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        if is_bool(value) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"window: expected {side} to be an int >= 0 or None, got {value!r}")
     return tuple(None if w is None else int(w) for w in window)
 
@@ -195,14 +211,14 @@ def _check_segments(segment_ids, kv_segment_ids, q, k):
         kv_segment_ids = segment_ids
     for name, ids, length in (("segment_ids", segment_ids, q_len), ("kv_segment_ids", kv_segment_ids, kv_len)):
         if not isinstance(ids, torch.Tensor):
-            raise TypeError(f"{name}: expected an integer torch.Tensor, got {type(ids).__name__}")
+            raise TypeError(f"{name}: expected an integer torch.Tensor, got {type_name(ids)}")
         if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer dtype, got {ids.dtype}")
         if tuple(ids.shape) != (batch, length):
             raise ValueError(f"{name}: expected shape {(batch, length)}, got {tuple(ids.shape)}")
         if ids.device != q.device:
             raise ValueError(f"{name}: expected device {q.device}, got {ids.device}")
-    return segment_ids.to(torch.int32), kv_segment_ids.to(torch.int32)
+    return segment_ids, kv_segment_ids
 
 
 def _check_bias(bias, q, k):
@@ -210,7 +226,7 @@ def _check_bias(bias, q, k):
         return None
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias: expected a float torch.Tensor, got {type(bias).__name__}")
+        raise TypeError(f"bias: expected a float torch.Tensor, got {type_name(bias)}")
     if not bias.dtype.is_floating_point:
         raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
     if bias.device != q.device:
@@ -219,12 +235,14 @@ def _check_bias(bias, q, k):
     if len(shape) > 4 or any(s not in (1, f) for s, f in zip(shape[::-1], full[::-1])):
         raise ValueError(f"bias: expected a shape broadcastable to (batch, q_heads, q_len, kv_len)={full}, "
                          f"got {shape}")
+    if bias.dtype != q.dtype:  # the autograd cast returns the gradient in the bias's own dtype
+        bias = bias.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
     return bias.reshape((1,) * (4 - len(shape)) + shape)
 
 
 def _check_dropout(dropout_p, dropout_seed, device):
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real):
-        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type(dropout_p).__name__}")
+    if is_bool(dropout_p) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p: expected a float in [0, 1), got {type_name(dropout_p)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p: expected a float in [0, 1), got {dropout_p}")
     if dropout_p == 0.0:
@@ -237,6 +255,6 @@ def _check_dropout(dropout_p, dropout_seed, device):
             raise ValueError(f"dropout_seed: expected a one-element integer tensor, got dtype "
                              f"{dropout_seed.dtype} shape {tuple(dropout_seed.shape)}")
         return (dropout_seed.reshape(1).to(device=device, dtype=torch.int64)) & MASK32
-    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral):
-        raise TypeError(f"dropout_seed: expected an int or integer tensor, got {type(dropout_seed).__name__}")
+    if is_bool(dropout_seed) or not isinstance(dropout_seed, numbers.Integral):
+        raise TypeError(f"dropout_seed: expected an int or integer tensor, got {type_name(dropout_seed)}")
     return torch.tensor([seed_to_uint32(dropout_seed)], dtype=torch.int64, device=device)

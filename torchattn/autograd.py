@@ -13,6 +13,11 @@ The ops dispatch by name to a blockwise implementation: ``pallas``,
 
 ``dlse`` is the gradient reaching lse (zeros when lse is unused); it enters the
 backward as ``delta = rowsum(do * out) - dlse``.
+
+The Function uses the ``setup_context`` form, which ``torch.func`` transforms
+need (``torch.func.grad`` works). ``torch.vmap`` has no rule (the kernels take one
+batch dimension) and the backward op has no derivative: both raise
+NotImplementedError saying so.
 """
 
 from __future__ import annotations
@@ -85,20 +90,59 @@ def _(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
 
+class _BackwardFunction(torch.autograd.Function):
+    """The backward op behind a Function whose own backward refuses in plain words.
+
+    A Function (not ``register_autograd`` on the op) because ``torch.func.grad``
+    runs the first backward with grad enabled: the op inside a Function's forward
+    then sees plain tensors, where an op with registered autograd would need the
+    ``setup_context`` form from torch's internal wrapper, which it lacks.
+    """
+
+    @staticmethod
+    def forward(*args):
+        return attention_backward(*args)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            "torchattn does not support double backward (second-order gradients) on the 'pallas', "
+            "'interpret' and 'xla' backends: their backward pass has no derivative of its own. "
+            "Use backend='reference' (dense) for higher-order gradients.")
+
+
 class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static):
-        out, lse = attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *static)
+    def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static):
+        return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *static)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static = inputs
+        out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed)
         ctx.impl, ctx.static = impl, static
-        return out, lse
+
+    @staticmethod
+    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static):
+        raise NotImplementedError(
+            f"torch.vmap over torchattn.flash_attention is not supported on the {impl!r} backend: "
+            "its kernels take exactly one batch dimension. Fold the mapped dimension into the batch "
+            "(dim 0) and call flash_attention once.")
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed = ctx.saved_tensors
         bias_grad = bias is not None and ctx.needs_input_grad[5]
-        dq, dk, dv, dbias = attention_backward(dout, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids,
-                                               bias, seed, ctx.impl, *ctx.static, bias_grad)
+        # Grad is enabled here only under create_graph=True or torch.func: then the result must be
+        # able to refuse a further backward.
+        backward_op = _BackwardFunction.apply if torch.is_grad_enabled() else attention_backward
+        dq, dk, dv, dbias = backward_op(dout, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids,
+                                        bias, seed, ctx.impl, *ctx.static, bias_grad)
         return dq, dk, dv, None, None, dbias if bias_grad else None, None, None, None
 
 

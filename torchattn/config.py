@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
+
+from .types import is_bool
 
 SUBLANES = 8  # TPU vreg rows: second-to-last block dims are multiples of this
 LANES = 128  # TPU vreg lanes: last block dims are multiples of this
@@ -22,6 +25,8 @@ class BlockSizes:
     block_kv_bwd: key rows per backward block, a multiple of 128.
 
     Sequences are padded up to a multiple of the block size; padding is masked.
+    A block longer than its sequence is clamped to the sequence rounded up to the
+    tile (8 rows for queries, 128 for keys): see :meth:`clamped`.
     """
 
     block_q: int
@@ -34,17 +39,23 @@ class BlockSizes:
             _check_multiple(name, getattr(self, name), SUBLANES)
         for name in ("block_kv", "block_kv_bwd"):
             _check_multiple(name, getattr(self, name), LANES)
+        for field in dataclasses.fields(self):  # NumPy integers become plain ints (hashable, JSON-able)
+            object.__setattr__(self, field.name, int(getattr(self, field.name)))
 
     @classmethod
     def default(cls, q_len: int, kv_len: int, head_dim: int) -> "BlockSizes":
-        """TPU-sensible blocks: up to 512 rows (256 for head_dim > 128), no larger
-        than the padded sequence, so short sequences are not padded to 512."""
+        """TPU-sensible blocks: up to 512 rows (256 for head_dim > 128), clamped to the sequence."""
         cap = 512 if head_dim <= 128 else 256
-        block_q = min(cap, round_up(q_len, SUBLANES))
-        block_kv = min(cap, round_up(kv_len, LANES))
-        return cls(block_q=block_q, block_kv=block_kv, block_q_bwd=block_q, block_kv_bwd=block_kv)
+        return cls(block_q=cap, block_kv=cap, block_q_bwd=cap, block_kv_bwd=cap).clamped(q_len, kv_len)
+
+    def clamped(self, q_len: int, kv_len: int) -> "BlockSizes":
+        """These sizes, each no larger than its sequence rounded up to the tile multiple, so a
+        short call is not padded to a long block (the result is the same, the work is not)."""
+        q_max, kv_max = round_up(q_len, SUBLANES), round_up(kv_len, LANES)
+        return BlockSizes(block_q=min(self.block_q, q_max), block_kv=min(self.block_kv, kv_max),
+                          block_q_bwd=min(self.block_q_bwd, q_max), block_kv_bwd=min(self.block_kv_bwd, kv_max))
 
 
 def _check_multiple(name: str, value, multiple: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0 or value % multiple:
+    if is_bool(value) or not isinstance(value, numbers.Integral) or value <= 0 or value % multiple:
         raise ValueError(f"BlockSizes.{name}: expected a positive multiple of {multiple}, got {value!r}")

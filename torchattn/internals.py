@@ -38,7 +38,7 @@ def mosaic_payload(fn, signature) -> str:
     # without libtpu (a CPU machine building the graph) does not load by itself.
     import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401
 
-    structs = [jax.ShapeDtypeStruct(shape, _JAX_DTYPES[dtype]) for shape, dtype in signature]
+    structs = [jax.ShapeDtypeStruct(shape, _jax_dtype(dtype)) for shape, dtype in signature]
     module = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compiler_ir()
     configs = [op.attributes["backend_config"].value for op in _walk(module.operation)
                if op.name == "stablehlo.custom_call"
@@ -46,6 +46,13 @@ def mosaic_payload(fn, signature) -> str:
     if len(configs) != 1:
         raise RuntimeError(f"expected one tpu_custom_call in the lowered kernel, found {len(configs)}")
     return configs[0]
+
+
+def _jax_dtype(dtype: torch.dtype) -> str:
+    if dtype not in _JAX_DTYPES:  # validation keeps other dtypes away from the kernels
+        raise TypeError(f"tpu_custom_call: expected a kernel argument dtype in "
+                        f"{[str(d) for d in _JAX_DTYPES]}, got {dtype}")
+    return _JAX_DTYPES[dtype]
 
 
 def _walk(operation):

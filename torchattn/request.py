@@ -85,6 +85,7 @@ class Request:
         return self.q.device
 
     def resolved_block_sizes(self) -> BlockSizes:
-        if self.block_sizes is not None:
-            return self.block_sizes
-        return BlockSizes.default(self.q_len, self.kv_len, self.head_dim)
+        """The caller's block sizes or the default, clamped to this call's lengths."""
+        if self.block_sizes is None:
+            return BlockSizes.default(self.q_len, self.kv_len, self.head_dim)
+        return self.block_sizes.clamped(self.q_len, self.kv_len)

@@ -1,5 +1,8 @@
 """The import-time version check, with the metadata lookup faked (nothing is uninstalled)."""
 
+import configparser
+import pathlib
+import re
 import subprocess
 import sys
 import warnings
@@ -80,3 +83,27 @@ def test_check_imports_neither_jax_nor_torch_xla():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def _pins(requirements: str) -> dict[str, str]:
+    """name -> version of each ``name==version`` line (names normalised as pip does)."""
+    pins = {}
+    for line in requirements.splitlines():
+        match = re.fullmatch(r"([A-Za-z0-9_.-]+)\s*==\s*(\S+)", line.split("#")[0].strip())
+        if match:
+            pins[re.sub(r"[-_.]+", "_", match.group(1).lower())] = match.group(2)
+    return pins
+
+
+def test_setup_cfg_pins_the_verified_set():
+    """setup.cfg installs exactly the set the import-time check calls verified (libtpu: the tpu extra)."""
+    config = configparser.ConfigParser()
+    assert config.read(pathlib.Path(__file__).parents[1] / "setup.cfg"), "setup.cfg not found"
+    pins = _pins(config["options"]["install_requires"])
+    pins.update(_pins(config["options.extras_require"]["tpu"]))
+    assert {name: pins.get(name) for name in VERIFIED} == VERIFIED
+
+
+def test_pins_parser_reads_names_as_pip_does():
+    assert _pins("torch==2.9.0\n  # note\nTorch-XLA == 2.9.0  # pinned\njax>=0.7\nflax>=0.12,<0.13") == {
+        "torch": "2.9.0", "torch_xla": "2.9.0"}

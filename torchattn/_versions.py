@@ -1,4 +1,4 @@
-"""Import-time check of the installed torch / torch_xla / jax / jaxlib versions.
+"""Import-time check of the installed torch / torch_xla / jax / jaxlib (and libtpu) versions.
 
 Reads package metadata only: it imports neither jax (on a TPU, torch_xla must
 claim the chip before JAX does) nor torch_xla.
@@ -6,7 +6,8 @@ claim the chip before JAX does) nor torch_xla.
 - torch and torch_xla whose major.minor differ cannot work together: ImportError.
 - Any installed version outside the verified set: one UnverifiedVersionsWarning.
 - torch_xla, jax or jaxlib not installed is fine (plain torch tensors use the
-  ``sdpa`` and ``reference`` backends) and is not warned about.
+  ``sdpa`` and ``reference`` backends) and is not warned about; neither is a
+  missing libtpu (only TPU VMs have it, from the ``tpu`` extra).
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import importlib.metadata
 import re
 import warnings
 
-# The matched set the kernels and tests were verified with; setup.cfg pins the same.
-VERIFIED = {"torch": "2.9.0", "torch_xla": "2.9.0", "jax": "0.7.1", "jaxlib": "0.7.1"}
+# The matched set the kernels and tests were verified with; setup.cfg pins the same
+# (libtpu in its ``tpu`` extra; tests/test_versions.py compares them).
+VERIFIED = {"torch": "2.9.0", "torch_xla": "2.9.0", "jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.21"}
 
 
 class UnverifiedVersionsWarning(UserWarning):
-    """The installed torch / torch_xla / jax / jaxlib differ from :data:`VERIFIED`."""
+    """The installed torch / torch_xla / jax / jaxlib / libtpu differ from :data:`VERIFIED`."""
 
 
 _warned = False

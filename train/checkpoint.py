@@ -83,11 +83,15 @@ class Checkpointer:
             return path
         os.makedirs(self.directory, exist_ok=True)
         temporary = f"{path}.tmp-{os.getpid()}"
-        with open(temporary, "wb") as f:
-            torch.save(to_cpu(state), f)
-            f.flush()
-            os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
-        os.replace(temporary, path)
+        try:
+            with open(temporary, "wb") as f:
+                torch.save(to_cpu(state), f)
+                f.flush()
+                os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):  # the write failed: no partial file stays behind
+                os.remove(temporary)
         for old in self.steps()[:-self.keep]:
             os.remove(self.path(old))
         return path

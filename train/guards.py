@@ -50,6 +50,10 @@ class CompileWatch:
                         "a shape or constant changes between steps", new, step, kind, shape)
         return new
 
+    def shapes(self, kind: str) -> set[tuple[int, ...]]:
+        """The batch shapes graphs of ``kind`` ran with."""
+        return {shape for graph_kind, shape in self._calls if graph_kind == kind}
+
 
 def host_rss() -> int:
     """Resident memory of this process in bytes."""

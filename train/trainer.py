@@ -417,7 +417,7 @@ class Trainer:
         model_dir = os.path.join(config.output_dir, "model")
         records = self.metrics.read()
         if self.is_main:
-            save_model(self.accelerator.unwrap_model(self.model).to("cpu"), self.tokenizer, model_dir)
+            save_model(self.accelerator.unwrap_model(self.model), self.tokenizer, model_dir)
             metrics.plot_loss(records, os.path.join(config.output_dir, metrics.PLOT_FILE))
         seconds = sum(t for t, _ in self._step_times)
         summary = {name: value for name, value in self._final_eval.items() if name not in ("step", "eval")}

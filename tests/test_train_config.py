@@ -1,0 +1,74 @@
+"""The run's configuration: recipes, flags, config files and their precedence, --help."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.config import RECIPES, ConfigError, RunConfig, build_parser, parse_args, save_config
+
+# Every flag issue 7 names, spelled as it does.
+ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
+               "--attn", "--backend", "--batch-size", "--grad-accum", "--lr", "--epochs", "--max-steps", "--bf16",
+               "--dropout", "--seed", "--output-dir", "--log-steps", "--save-steps", "--resume", "--config",
+               "--grad-checkpointing", "--profile"]
+
+
+def test_no_arguments_is_the_bbc_topics_recipe():
+    config = parse_args([])
+    assert (config.recipe, config.model, config.dataset, config.task, config.attn) == (
+        "bbc-topics", "minilm", "bbc-news", "classification", "torchattn")
+
+
+def test_sotu_lm_recipe_defaults():
+    config = parse_args(["--recipe", "sotu-lm"])
+    assert (config.model, config.dataset, config.task, config.max_length) == ("smollm2-135m", "sotu", "lm", 2048)
+    assert not config.grad_checkpointing
+    assert parse_args(["--recipe", "sotu-lm", "--grad-checkpointing"]).grad_checkpointing
+
+
+def test_every_recipe_key_is_a_field():
+    for name, values in RECIPES.items():
+        RunConfig(**values, recipe=name)  # raises TypeError on an unknown key
+
+
+def test_help_documents_every_flag_of_the_issue():
+    text = build_parser().format_help()
+    for flag in ISSUE_FLAGS:
+        assert flag in text, flag
+
+
+@pytest.mark.parametrize("suffix, body", [
+    (".toml", 'recipe = "sotu-lm"\nmax-length = 256\nlr = 1\ndropout = 0.05\nbf16 = true\n'),
+    (".yaml", "recipe: sotu-lm\nmax_length: 256\nlr: 1\ndropout: 0.05\nbf16: true\n"),
+])
+def test_config_file_over_recipe_and_flags_over_file(tmp_path, suffix, body):
+    path = tmp_path / f"run{suffix}"
+    path.write_text(body)
+    config = parse_args(["--config", str(path)])
+    assert (config.recipe, config.model, config.max_length, config.lr, config.dropout, config.bf16) == (
+        "sotu-lm", "smollm2-135m", 256, 1.0, 0.05, True)
+    assert parse_args(["--config", str(path), "--max-length", "512", "--model", "m"]).max_length == 512
+
+
+def test_resume_takes_the_saved_configuration(tmp_path):
+    saved = parse_args(["--recipe", "sotu-lm", "--max-length", "256", "--output-dir", str(tmp_path)])
+    save_config(saved, str(tmp_path / "config.json"))
+    resumed = parse_args(["--output-dir", str(tmp_path), "--resume", "--max-steps", "7"])
+    assert (resumed.recipe, resumed.max_length, resumed.max_steps, resumed.resume) == ("sotu-lm", 256, 7, True)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["max_length"] == 256
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--warmup", "1"], "--warmup: expected a fraction in [0, 1), got 1.0"),
+    (["--eval-fraction", "0"], "--eval-fraction: expected a fraction in (0, 1), got 0.0"),
+    (["--save-steps", "-1"], "--save-steps: expected an integer >= 0, got -1"),
+    (["--max-steps", "0"], "--max-steps: expected a positive integer, got 0"),
+    (["--lr-schedule", "step"], "--lr-schedule: expected one of linear, cosine, got 'step'"),
+])
+def test_bad_values_name_flag_expected_and_given(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv)
+    assert str(error.value) == message

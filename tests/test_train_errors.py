@@ -1,0 +1,159 @@
+"""Every bad input of issue 7 stops ``python -m train`` before any training step: one line on
+stderr naming the flag or column and the value, no traceback, exit status 2, and no new
+output folder (an existing one is left as it was)."""
+
+from __future__ import annotations
+
+import os
+
+import datasets
+import pytest
+import torch
+
+import train_tiny
+from train.__main__ import main
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
+
+
+@pytest.fixture(scope="module")
+def docs_csv(tmp_path_factory):
+    return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(30))
+
+
+def fails(capsys, argv: list[str], *expected: str) -> str:
+    """Runs main(argv); asserts the one-line error holding every ``expected`` piece; returns it."""
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2, f"exit status {code}; stderr: {captured.err}"
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {captured.err!r}"
+    assert "Traceback" not in captured.err + captured.out
+    for piece in expected:
+        assert piece in lines[0], f"{piece!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def test_missing_text_column_lists_the_columns(capsys, tmp_path, bert, docs_csv):
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--text-column", "body", "--output-dir", str(out)],
+          "body", "text", "label")
+    assert not out.exists()
+
+
+def test_missing_label_column_lists_the_columns(capsys, tmp_path, bert, docs_csv):
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--label-column", "topic", "--output-dir", str(out)],
+          "topic", "text", "label")
+    assert not out.exists()
+
+
+def test_eval_labels_unseen_in_training(capsys, tmp_path, bert):
+    # A data set with its own test split, which holds a label the training split lacks.
+    folder = str(tmp_path / "saved")
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"text": ["a b c", "d e f", "g h i"], "label": ["x", "y", "x"]}),
+        "test": datasets.Dataset.from_dict({"text": ["j k l", "m n o"], "label": ["x", "zebra"]}),
+    }).save_to_disk(folder)
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", folder, "--output-dir", str(out)], "--label-column", "zebra")
+    assert not out.exists()
+
+
+def test_empty_dataset(capsys, tmp_path, bert):
+    empty = train_tiny.write_csv(str(tmp_path / "empty.csv"), [])
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", empty, "--output-dir", str(out)], "--dataset", "empty.csv")
+    assert not out.exists()
+
+
+def test_dataset_empty_after_deduplication(capsys, tmp_path, bert):
+    same = train_tiny.write_csv(str(tmp_path / "same.csv"), [("one and the same text", "x")] * 12)
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", same, "--output-dir", str(out)], "--dataset", "same.csv",
+          "duplicates")
+    assert not out.exists()
+
+
+def test_dataset_path_missing(capsys, tmp_path, bert):
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", str(tmp_path / "nowhere.csv"), "--output-dir", str(out)],
+          "--dataset", "nowhere.csv")
+    assert not out.exists()
+
+
+def test_model_path_missing(capsys, tmp_path, docs_csv):
+    out = tmp_path / "run"
+    fails(capsys, ["--model", str(tmp_path / "no-model"), "--dataset", docs_csv, "--output-dir", str(out)],
+          "--model", "no-model")
+    assert not out.exists()
+
+
+def test_max_length_above_position_limit(capsys, tmp_path, bert, docs_csv):
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--max-length", "256", "--output-dir", str(out)],
+          "--max-length", "256", "128")
+    assert not out.exists()
+
+
+def test_output_dir_with_another_runs_checkpoints(capsys, tmp_path, bert, docs_csv):
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    torch.save({}, out / "checkpoints" / "step-00000004.pt")
+    before = sorted(os.listdir(out))
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--output-dir", str(out)],
+          "--output-dir", str(out), "--resume")
+    assert sorted(os.listdir(out)) == before
+    assert os.listdir(out / "checkpoints") == ["step-00000004.pt"]
+
+
+def test_resume_with_nothing_to_resume(capsys, tmp_path, bert, docs_csv):
+    out = tmp_path / "run"
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--output-dir", str(out), "--resume"],
+          "--resume", str(out))
+    assert not out.exists()
+
+
+def test_resume_without_output_dir(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fails(capsys, ["--resume"], "--resume", "--output-dir")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("name, text, expected", [
+    ("bad.toml", "max-length = [unclosed\n", "TOML"),
+    ("bad.yaml", "max-length: [unclosed\n", "YAML"),
+    ("list.yaml", "- 1\n- 2\n", "key = value"),
+    ("unknown.toml", "max_lenght = 64\n", "max_lenght"),
+    ("wrongtype.toml", 'batch-size = "many"\n', "batch-size"),
+    ("config.ini", "[x]\n", ".toml"),
+])
+def test_malformed_config_file(capsys, tmp_path, monkeypatch, name, text, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / name).write_text(text)
+    fails(capsys, ["--config", name], "--config" if expected != "batch-size" else name, expected)
+    assert os.listdir(tmp_path) == [name], "no output folder (runs/) may appear"
+
+
+def test_unknown_recipe(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    fails(capsys, ["--recipe", "no-such-recipe"], "--recipe", "no-such-recipe", "bbc-topics", "sotu-lm")
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--max-length", "sixty"], "--max-length"),
+    (["--batch-size", "0"], "--batch-size"),
+    (["--lr", "-1"], "--lr"),
+    (["--task", "regression"], "--task"),
+    (["--attn", "flash"], "--attn"),
+    (["--dropout", "1.5"], "--dropout"),
+    (["--no-such-flag"], "--no-such-flag"),
+])
+def test_bad_flag_values(capsys, tmp_path, monkeypatch, argv, expected):
+    monkeypatch.chdir(tmp_path)
+    fails(capsys, argv, expected, argv[-1])
+    assert os.listdir(tmp_path) == []

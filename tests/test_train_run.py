@@ -1,0 +1,181 @@
+"""python -m train end to end on XLA:CPU: tiny random models on a small csv for the mechanics
+(outputs, no compilation after warm-up, the saved model loading without torchattn), and
+a few steps of each real recipe at small lengths."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+import torch
+import transformers
+
+import train_tiny
+from train.__main__ import main
+from train.config import parse_args
+from train.trainer import Trainer, classification_scores
+
+TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "compiles"}
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return train_tiny.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="module")
+def docs_csv(tmp_path_factory):
+    return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(60))
+
+
+def records(output_dir) -> list[dict]:
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def classification_run(bert, docs_csv, tmp_path_factory):
+    """Three epochs of 12 steps (48 training documents, batch 4) with a record per step."""
+    out = str(tmp_path_factory.mktemp("runs") / "classification")
+    trainer = Trainer(parse_args(["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--epochs", "3",
+                                  "--log-steps", "1", "--lr", "3e-3", "--output-dir", out]))
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return trainer, summary, out
+
+
+def test_classification_run_writes_every_output(classification_run):
+    trainer, summary, out = classification_run
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "loss.png", "metrics.jsonl", "model"]
+    with open(os.path.join(out, "loss.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["output_dir"] == out
+    logged = records(out)
+    train_records = [r for r in logged if not r.get("eval")]
+    assert [r["step"] for r in train_records] == list(range(1, 37))
+    assert all(TRAIN_FIELDS <= set(r) for r in train_records)
+    assert all(r["lr"] > 0 and r["tokens_per_s"] > 0 and r["loss"] > 0 for r in train_records)
+    evals = [r for r in logged if r.get("eval")]
+    assert [r["step"] for r in evals] == [12, 24, 36], "one evaluation per epoch"
+    assert all(0 <= r["accuracy"] <= 1 and 0 <= r["macro_f1"] <= 1 for r in evals)
+    assert summary["accuracy"] == evals[-1]["accuracy"]
+    assert os.listdir(os.path.join(out, "checkpoints")) == ["step-00000036.pt"]
+
+
+def test_no_compilation_after_warm_up_across_bucketed_epochs(classification_run):
+    trainer, summary, out = classification_run
+    lengths = {shape[1] for shape in trainer.compiles.shapes("train")}
+    assert lengths == {64, 128}, f"the data should fill both length buckets, saw {lengths}"
+    assert {shape[0] for shape in trainer.compiles.shapes("train")} == {4}, "every batch has batch_size rows"
+    # Read from torch_xla's counter, as logged with every step: the last epoch compiles nothing.
+    last_epoch = [r["compiles"] for r in records(out) if not r.get("eval") and r["epoch"] == 2]
+    assert len(last_epoch) == 12 and len(set(last_epoch)) == 1, f"compilations logged per step: {last_epoch}"
+    assert summary["compiles_after_warmup"] == 0
+
+
+def test_compile_counter_sees_a_new_graph(device):
+    """The counter the trainer logs moves when torch_xla compiles (else the test above proves nothing)."""
+    import torch_xla
+
+    from train.guards import compile_count
+
+    before = compile_count()
+    total = (torch.arange(11 * 17, device=device).reshape(11, 17) * 3).sum(dim=0)
+    torch_xla.sync()
+    assert compile_count() == before + 1, total.shape
+
+
+def test_classification_learns_the_topics(classification_run):
+    *_, out = classification_run
+    evals = [r for r in records(out) if r.get("eval")]
+    assert evals[-1]["accuracy"] > 0.6, f"held-out accuracy per epoch: {[r['accuracy'] for r in evals]}"
+
+
+def test_saved_model_loads_in_a_process_without_torchattn(classification_run):
+    trainer, _, out = classification_run
+    model_dir = os.path.join(out, "model")
+    texts = ["the team won the cup with a late goal", "a new phone chip runs the app faster"]
+    result = train_tiny.run_python(f"""
+import json, sys, torch, transformers
+model = transformers.AutoModelForSequenceClassification.from_pretrained({model_dir!r}).eval()
+tokenizer = transformers.AutoTokenizer.from_pretrained({model_dir!r})
+with torch.no_grad():
+    logits = model(**tokenizer({texts!r}, return_tensors="pt", padding=True)).logits
+print(json.dumps({{"logits": logits.tolist(), "loaded": sorted(m for m in ("torchattn", "patches", "train")
+                                                                if m in sys.modules)}}))
+""")
+    assert result.returncode == 0, result.stderr[-3000:]
+    loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert loaded["loaded"] == [], "the saved model must load without torchattn, patches or train"
+    # The same weights as the final checkpoint, in a model built here from the saved config.
+    state = torch.load(os.path.join(out, "checkpoints", "step-00000036.pt"), weights_only=False)["model"]
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    reference = transformers.BertForSequenceClassification(config).eval()
+    reference.load_state_dict(state)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        expected = reference(**tokenizer(texts, return_tensors="pt", padding=True)).logits
+    torch.testing.assert_close(torch.tensor(loaded["logits"]), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lm_run_reports_perplexity_before_and_after(llama, docs_csv, tmp_path, capsys):
+    out = str(tmp_path / "lm")
+    code = main(["--model", llama, "--dataset", docs_csv, "--task", "lm", "--max-length", "128", "--batch-size", "2",
+                 "--max-steps", "6", "--lr", "3e-3", "--log-steps", "1", "--output-dir", out])
+    printed = capsys.readouterr().out
+    assert code == 0
+    evals = [r for r in records(out) if r.get("eval")]
+    assert [r["step"] for r in evals] == [0, 6]
+    assert evals[1]["perplexity"] < evals[0]["perplexity"], "six steps at lr 3e-3 must lower held-out perplexity"
+    assert re.search(rf"perplexity before +{evals[0]['perplexity']:.3f}\n", printed), printed
+    assert f"perplexity {evals[1]['perplexity']:.3f}" in printed
+    assert os.path.isfile(os.path.join(out, "model", "config.json"))
+
+
+def test_classification_scores_against_hand_counts():
+    predictions = torch.tensor([0, 0, 1, 2, 2, 2]).numpy()
+    labels = torch.tensor([0, 1, 1, 2, 2, 0]).numpy()
+    # label 0: tp 1, predicted 2, actual 2 -> F1 1/2; label 1: tp 1, 1, 2 -> 2/3; label 2: tp 2, 3, 2 -> 4/5
+    scores = classification_scores(predictions, labels, 4)  # label 3 never occurs: F1 0
+    assert scores["accuracy"] == pytest.approx(4 / 6)
+    assert scores["macro_f1"] == pytest.approx((1 / 2 + 2 / 3 + 4 / 5 + 0) / 4)
+
+
+def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):
+    out = str(tmp_path / "bbc")
+    code = main(["--max-length", "64", "--max-steps", "3", "--log-steps", "1", "--eval-batches", "4",
+                 "--output-dir", out])
+    printed = capsys.readouterr().out
+    assert code == 0
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    assert (config["recipe"], config["model"], config["dataset"], config["attn"]) == (
+        "bbc-topics", "minilm", "bbc-news", "torchattn")
+    evals = [r for r in records(out) if r.get("eval")]
+    assert len(evals) == 1
+    assert f"accuracy {evals[0]['accuracy']:.4f}" in printed
+    assert f"macro-F1 {evals[0]['macro_f1']:.4f}" in printed
+
+
+@pytest.mark.slow
+def test_sotu_lm_recipe_runs_a_few_steps(tmp_path, capsys):
+    out = str(tmp_path / "sotu")
+    code = main(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "2", "--eval-batches", "2",
+                 "--output-dir", out])
+    printed = capsys.readouterr().out
+    assert code == 0
+    evals = [r for r in records(out) if r.get("eval")]
+    assert [r["step"] for r in evals] == [0, 2]
+    assert all(1 < r["perplexity"] < 1e4 for r in evals), evals
+    assert "perplexity before" in printed
+    assert os.path.isfile(os.path.join(out, "model", "config.json"))

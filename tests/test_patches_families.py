@@ -336,3 +336,8 @@ def _env():
     """The test process's environment, with the repository importable (for ``-m patches``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+
+
+def test_patching_something_else_than_a_transformers_model_is_a_type_error():
+    with pytest.raises(TypeError, match="model: expected a transformers PreTrainedModel, got Linear"):
+        patches.patch(torch.nn.Linear(2, 2))

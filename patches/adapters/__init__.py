@@ -7,9 +7,9 @@ The contract patches/patching.py relies on, one module per family (named by
 - ``TARGET``: the transformers self-attention class whose instances are patched.
 - ``forward(self, ...)``: the original forward's exact signature and return
   structure. ``patch()`` binds it per instance (``module.forward =
-  MethodType(forward, module)``); ``unpatch()`` deletes that instance attribute,
-  so the class's own forward shows through again. Parameters, buffers and
-  state_dict are never touched.
+  functools.partial(forward, module)``, which survives deepcopy and pickling);
+  ``unpatch()`` deletes that instance attribute, so the class's own forward shows
+  through again. Parameters, buffers and state_dict are never touched.
 
 Because every target module is adapted, ``patch()`` also sets the config's
 ``_attn_implementation_internal = "torchattn"``: the model then builds a 2-D

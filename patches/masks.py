@@ -1,7 +1,7 @@
 """What transformers passes for masking -> torchattn's segment ids (or, rarely, a bias).
 
-With the ``flash_attention_mask`` builder a model hands over a 2-D bool padding
-mask (batch, kv_len) or None; causal and window come from the module and kwargs.
+With ``padding_mask`` registered as the mask function a model hands over a 2-D bool
+padding mask (batch, kv_len) or None; causal and window come from the module and kwargs.
 Packed batches arrive as ``cu_seq_lens_q/k`` kwargs (DataCollatorWithFlattening
 with ``return_flash_attn_kwargs=True``) or as ``position_ids`` restarting at 0.
 All conversions keep static shapes, so a new batch composition never recompiles.
@@ -13,6 +13,25 @@ import dataclasses
 import warnings
 
 import torch
+
+
+def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask function registered for "torchattn" (transformers' AttentionMaskInterface).
+
+    attention_mask: (batch, seen + q_length) bool, True = token, or None. Returns it
+    (or None) for the attention function, which turns it into segment ids; causal,
+    window and packing reach the attention as kwargs, so ``mask_function`` is not used.
+    Against transformers' ``flash_attention_mask`` it differs twice. It never asks
+    whether the mask is all ones, which on XLA reads a value back to the host in every
+    forward and compiles another graph for unpadded batches. And it slices only a mask
+    longer than the keys (a sliding-window cache keeps the last ``kv_length`` positions):
+    a StaticCache passes ``kv_length`` = all its slots, more than the mask covers, and
+    the attention function then uses only the keys the mask covers.
+    """
+    if attention_mask is not None and attention_mask.shape[-1] > kv_length:
+        attention_mask = attention_mask[:, -kv_length:]
+    return attention_mask
 
 
 @dataclasses.dataclass
@@ -35,10 +54,16 @@ def from_hf(attention_mask, *, batch: int, q_len: int, kv_len: int, dtype: torch
         return _packed(batch, q_len, kv_len, position_ids, cu_seq_lens_q, cu_seq_lens_k)
     if attention_mask.dim() == 2:  # (batch, keys) padding mask, True = token
         keys = attention_mask.shape[1]
-        # Queries get id 1: they see every real key; padded queries' outputs are ignored.
-        ones = torch.ones(batch, q_len, dtype=torch.int32, device=attention_mask.device)
-        return MaskArguments(segment_ids=ones, kv_segment_ids=attention_mask.to(torch.int32),
-                             kv_len=keys if keys < kv_len else None)
+        real = attention_mask.to(torch.int32)
+        # Documents from cu_seq_lens only: transformers packs by position_ids only without a mask.
+        # Some models build an all-ones mask for a packed row (LayoutLMv3).
+        packed = _packed(batch, q_len, kv_len, None, cu_seq_lens_q, cu_seq_lens_k)
+        if packed.segment_ids is None:
+            # Queries get id 1: they see every real key; padded queries' outputs are ignored.
+            q_ids = torch.ones(batch, q_len, dtype=torch.int32, device=attention_mask.device)
+            return MaskArguments(segment_ids=q_ids, kv_segment_ids=real, kv_len=keys if keys < kv_len else None)
+        # Document d gets id d + 1 on both sides; padded keys get 0, which no query has.
+        return MaskArguments(segment_ids=packed.segment_ids + 1, kv_segment_ids=(packed.kv_segment_ids + 1) * real)
     if attention_mask.dim() == 4:  # (batch, 1|heads, 1|q_len, kv_len), additive or bool
         bias = attention_mask
         if bias.dtype == torch.bool:
@@ -57,7 +82,13 @@ def from_hf(attention_mask, *, batch: int, q_len: int, kv_len: int, dtype: torch
 
 
 def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
-    if cu_q is not None and cu_k is not None and batch == 1:
+    if (cu_q is None) != (cu_k is None):
+        given, missing = ("cu_seq_lens_q", "cu_seq_lens_k") if cu_k is None else ("cu_seq_lens_k", "cu_seq_lens_q")
+        raise ValueError(f"{missing}: expected a tensor with {given}, got None")
+    if cu_q is not None:
+        if batch != 1:  # one cu_seq_lens cannot say where each row's documents start
+            raise ValueError(f"cu_seq_lens_q: expected packed documents in one row (batch 1, as "
+                             f"DataCollatorWithFlattening packs them), got batch {batch}")
         return MaskArguments(segment_ids=_ids_from_cu_seq_lens(cu_q, q_len),
                              kv_segment_ids=_ids_from_cu_seq_lens(cu_k, kv_len))
     if position_ids is not None and position_ids.dim() == 2 and q_len == kv_len > 1:

@@ -6,9 +6,9 @@ import warnings
 
 import transformers
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.masking_utils import flash_attention_mask
 
 from .attention import torchattn_attention
+from .masks import padding_mask
 
 NAME = "torchattn"  # no "sdpa"/"flash"/"flex" inside: transformers dispatches on those substrings
 VERIFIED_TRANSFORMERS = (">=5.24", "<5.25")  # the range tests/test_patches_*.py ran against
@@ -24,13 +24,13 @@ _warned = False
 def register() -> None:
     """Registers ``"torchattn"`` with AttentionInterface and AttentionMaskInterface (idempotent).
 
-    The mask function is transformers' ``flash_attention_mask``: models then hand
-    the attention function a 2-D (batch, kv_len) padding mask or None, never a
-    dense (q_len x kv_len) one; causal, window and packing come from the module
-    and kwargs (see patches/masks.py).
+    The mask function is ``masks.padding_mask``: models then hand the attention
+    function a 2-D (batch, kv_len) padding mask or None, never a dense (q_len x kv_len)
+    one, and never read a value back from the device to build it; causal, window and
+    packing come from the module and kwargs (see patches/masks.py).
     """
     AttentionInterface.register(NAME, torchattn_attention)
-    AttentionMaskInterface.register(NAME, flash_attention_mask)
+    AttentionMaskInterface.register(NAME, padding_mask)
     _check_version(transformers.__version__)
 
 

@@ -13,8 +13,8 @@ The contract patches/patching.py relies on, one module per family (named by
 
 Because every target module is adapted, ``patch()`` also sets the config's
 ``_attn_implementation_internal = "torchattn"``: the model then builds a 2-D
-(batch, kv_len) bool padding mask (or None) with transformers'
-``flash_attention_mask`` instead of a dense (batch, 1, S, S) float one. An adapter
+(batch, kv_len) bool padding mask (or None) with the registered mask function
+(``patches.masks.padding_mask``) instead of a dense (batch, 1, S, S) float one. An adapter
 therefore receives None, a 2-D padding mask, or a caller's own 4-D mask. It
 computes q, k, v the module's way and calls ``_common.attend``, i.e.
 ``patches.attention.torchattn_attention`` (the function registered with

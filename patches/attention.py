@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 
 import torchattn
 
 from . import masks
 from .options import dropout_seed, options_for
+
+# Arguments some families pass that torchattn has no equivalent for: refused, never dropped.
+_UNSERVED = {
+    "s_aux": "attention sinks (a learned logit per head added to the softmax denominator, GPT-OSS)",
+    "sinks": "attention sinks (a learned logit per head added to the softmax denominator)",
+    "indices": "sparse attention over the top-k keys an indexer picks per query (Dots)",
+    "block_indices": "block-sparse attention over the key blocks an indexer picks per query (MiniMax-M3)",
+}
+_AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -23,23 +35,66 @@ def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     ``scaling``, ``dropout`` (non-zero only in training), ``position_bias`` (an
     additive relative-position bias, e.g. LayoutLMv3), and packing from
     ``position_ids`` / ``cu_seq_lens_q/k``.
+
+    q, k, v and the bias run in one compute dtype, chosen as transformers' flash-attention
+    path chooses it: the autocast dtype under autocast; otherwise their common dtype, or,
+    when they differ (rotary embeddings upcast q and k), the dtype of the module's own
+    projection weights. ``output_attentions`` gets None weights and a warning; attention
+    sinks (``s_aux``/``sinks``) and indexer-chosen sparsity (``indices``/``block_indices``)
+    are refused.
     """
+    for name, what in _UNSERVED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{name}: torchattn does not implement {what}; "
+                                      f"{type(module).__name__} needs it, so it cannot run on torchattn")
+    if kwargs.get("output_attentions"):
+        warn_no_attentions(type(module).__name__)
     batch, _, q_len, _ = query.shape
+    dtype, autocast_device = _compute_dtype(module, query, key, value)
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     model = type(module).__name__
-    mask = masks.from_hf(attention_mask, batch=batch, q_len=q_len, kv_len=key.shape[2], dtype=query.dtype,
+    mask = masks.from_hf(attention_mask, batch=batch, q_len=q_len, kv_len=key.shape[2], dtype=dtype,
                          model=model, position_ids=kwargs.get("position_ids"),
                          cu_seq_lens_q=kwargs.get("cu_seq_lens_q"), cu_seq_lens_k=kwargs.get("cu_seq_lens_k"))
     if mask.kv_len is not None:  # StaticCache: keys past the mask are unused cache slots
         key, value = key[:, :, : mask.kv_len], value[:, :, : mask.kv_len]
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", False)))
     window = None if sliding_window is None else (sliding_window - 1, sliding_window - 1)
-    bias = position_bias
+    bias = None if position_bias is None else position_bias.to(dtype)
     if mask.bias is not None:
-        bias = mask.bias if bias is None else bias + mask.bias
+        bias = mask.bias.to(dtype) if bias is None else bias + mask.bias.to(dtype)
     if mask.dense:  # a full mask already holds causal and window
         causal, window = False, None
     options = options_for(module)
-    out = torchattn.flash_attention(query, key, value, causal=causal, scale=scaling, window=window,
-                                    softcap=softcap, bias=bias, dropout_p=dropout, dropout_seed=dropout_seed(dropout),
-                                    block_sizes=options.block_sizes, backend=options.backend, **mask.kwargs())
+    # The inputs are cast already; inside, the backends keep their own float32 accumulators.
+    no_autocast = torch.autocast(autocast_device, enabled=False) if autocast_device else contextlib.nullcontext()
+    with no_autocast:
+        out = torchattn.flash_attention(query, key, value, causal=causal, scale=scaling, window=window,
+                                        softcap=softcap, bias=bias, dropout_p=dropout,
+                                        dropout_seed=dropout_seed(dropout), block_sizes=options.block_sizes,
+                                        backend=options.backend, **mask.kwargs())
     return out.transpose(1, 2).contiguous(), None
+
+
+def _compute_dtype(module, query, key, value) -> tuple[torch.dtype, str | None]:
+    """(compute dtype, device type whose autocast is on, or None)."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type) and query.dtype in _AUTOCAST_ELIGIBLE:
+        return torch.get_autocast_dtype(device_type), device_type
+    if query.dtype == key.dtype == value.dtype:
+        return query.dtype, None
+    linear = next((m for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    return (query.dtype if linear is None else linear.weight.dtype), None
+
+
+_warned_no_attentions: set[str] = set()
+
+
+def warn_no_attentions(module: str) -> None:
+    """Warns once per attention class that ``output_attentions=True`` yields None weights."""
+    if module not in _warned_no_attentions:
+        _warned_no_attentions.add(module)
+        warnings.warn(f"torchattn: {module} was asked for output_attentions, but torchattn never "
+                      "materialises the attention probabilities; returning None in their place "
+                      "(unpatch the model, or load it with attn_implementation='eager', to get them)",
+                      stacklevel=3)

@@ -177,3 +177,73 @@ def test_bad_options_are_rejected():
         patches.PatchOptions(backend="tpu")
     with pytest.raises(TypeError, match="block_sizes: expected torchattn.BlockSizes"):
         patches.PatchOptions(block_sizes=(128, 128))
+
+
+@pytest.mark.parametrize("name,what", [("s_aux", "attention sinks"), ("sinks", "attention sinks"),
+                                       ("indices", "sparse attention"), ("block_indices", "block-sparse")])
+def test_attention_sinks_and_indexed_sparsity_are_refused_naming_the_argument(name, what):
+    """GPT-OSS-style sinks (a learned logit per head in the softmax denominator) and the key
+    subsets an indexer picks (Dots, MiniMax-M3) change every output; torchattn has neither, so
+    dropping them would be silently wrong."""
+    q, k, v = _qkv()
+    with pytest.raises(NotImplementedError, match=f"{name}: torchattn does not implement {what}"):
+        torchattn_attention(_module(True), q, k, v, None, scaling=0.3, **{name: torch.zeros(4)})
+    torchattn_attention(_module(True), q, k, v, None, scaling=0.3, **{name: None})  # absent is fine
+
+
+def test_cu_seq_lens_with_batch_above_one_is_refused():
+    """Packed documents come in one row (DataCollatorWithFlattening); boundaries for a batch of
+    two rows cannot be read from one cu_seq_lens, and ignoring them would leak across documents."""
+    q, k, v = _qkv(batch=2)
+    cu = torch.tensor([0, 4, 7, 11], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_q: expected .*batch 1.*got batch 2"):
+        torchattn_attention(_module(False), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+def test_cu_seq_lens_for_one_side_only_is_refused():
+    q, k, v = _qkv(batch=1)
+    cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seq_lens_k: expected .* with cu_seq_lens_q, got None"):
+        torchattn_attention(_module(False), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+
+
+def test_output_attentions_warns_once_naming_the_option():
+    q, k, v = _qkv()
+    module = type("WantsWeightsAttention", (torch.nn.Module,), {"is_causal": True})()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _, weights = torchattn_attention(module, q, k, v, None, scaling=0.3, output_attentions=True)
+        torchattn_attention(module, q, k, v, None, scaling=0.3, output_attentions=False)
+    assert weights is None
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "output_attentions" in messages[0] and "WantsWeightsAttention" in messages[0]
+
+
+def test_mixed_dtypes_without_autocast_take_the_modules_weight_dtype():
+    """transformers' flash-attention rule outside autocast: the dtype of the module's own
+    projections. A float32 q, k (upcast by rotary) with a bfloat16 v in a bfloat16 model
+    runs in bfloat16, the bias too, exactly as if all had been bfloat16."""
+    q, k, v = _qkv()
+    module = _module(True)
+    module.q_proj = torch.nn.Linear(8, 8, dtype=torch.bfloat16)
+    bias = torch.randn(2, 4, 11, 11, generator=torch.Generator().manual_seed(4))
+    out, _ = torchattn_attention(module, q, k, v.bfloat16(), None, scaling=0.3, position_bias=bias)
+    want, _ = torchattn_attention(module, q.bfloat16(), k.bfloat16(), v.bfloat16(), None, scaling=0.3,
+                                  position_bias=bias.bfloat16())
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, want)
+
+
+def test_padding_mask_with_cu_seq_lens_keeps_documents_apart():
+    """A model may build a 2-D mask for a packed row itself (LayoutLMv3 makes an all-ones one):
+    the documents of cu_seq_lens still hold, and padded keys stay hidden."""
+    q, k, v = _qkv(batch=1)
+    cu = torch.tensor([0, 4, 7, 11], dtype=torch.int32)
+    pad = torch.ones(1, 11, dtype=torch.bool)
+    pad[0, 9:] = False
+    out, _ = torchattn_attention(_module(False), q, k, v, pad, scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    doc = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 2, 2])
+    keep = (doc[:, None] == doc[None, :]) & pad[0][None, :]
+    torch.testing.assert_close(out, _eager(q, k, v, keep[None, None], 0.3), atol=1e-5, rtol=1e-5)

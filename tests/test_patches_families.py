@@ -341,3 +341,17 @@ def _env():
 def test_patching_something_else_than_a_transformers_model_is_a_type_error():
     with pytest.raises(TypeError, match="model: expected a transformers PreTrainedModel, got Linear"):
         patches.patch(torch.nn.Linear(2, 2))
+
+
+def test_output_attentions_on_a_patched_model_warns_naming_the_option(monkeypatch):
+    """transformers' sdpa path warns that it cannot return attention weights; so does torchattn."""
+    monkeypatch.setattr(patches.attention, "_warned_no_attentions", set(), raising=False)
+    model = H.build("Llama")
+    batch = H.padded_batch("Llama", 12)
+    patches.patch(model, "reference")
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(**batch.inputs, output_attentions=True)
+    assert all(a is None for a in out.attentions)  # no weights: an empty tuple
+    messages = [str(w.message) for w in caught if "output_attentions" in str(w.message)]
+    assert len(messages) == 1 and "LlamaAttention" in messages[0], messages

@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..attention import torchattn_attention
-
-_warned: set[str] = set()
-
-
-def warn_no_attentions(family: str) -> None:
-    """Warns once per family that ``output_attentions=True`` yields None probabilities."""
-    if family not in _warned:
-        _warned.add(family)
-        warnings.warn(f"torchattn: {family} was asked for output_attentions, but torchattn never "
-                      "materialises the attention probabilities; returning None in their place "
-                      "(unpatch the model to get them)", stacklevel=2)
 
 
 def attend(module: torch.nn.Module, q, k, v, attention_mask, *, scale: float, causal: bool = False,

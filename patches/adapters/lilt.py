@@ -21,7 +21,8 @@ import math
 import torch
 from transformers.models.lilt.modeling_lilt import LiltSelfAttention
 
-from ._common import attend, warn_no_attentions
+from ..attention import warn_no_attentions
+from ._common import attend
 
 TARGET = LiltSelfAttention
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from transformers.models.mpnet.modeling_mpnet import MPNetSelfAttention
 
-from ._common import attend, warn_no_attentions
+from ..attention import warn_no_attentions
+from ._common import attend
 
 TARGET = MPNetSelfAttention
 

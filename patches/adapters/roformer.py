@@ -17,7 +17,8 @@ from transformers.cache_utils import EncoderDecoderCache
 from transformers.models.roformer.modeling_roformer import RoFormerSelfAttention
 from transformers.utils.deprecation import deprecate_kwarg
 
-from ._common import attend, warn_no_attentions
+from ..attention import warn_no_attentions
+from ._common import attend
 
 TARGET = RoFormerSelfAttention
 

@@ -7,6 +7,7 @@ import warnings
 import transformers
 from transformers import AttentionInterface, AttentionMaskInterface
 
+from . import loading
 from .attention import torchattn_attention
 from .masks import padding_mask
 
@@ -27,10 +28,12 @@ def register() -> None:
     The mask function is ``masks.padding_mask``: models then hand the attention
     function a 2-D (batch, kv_len) padding mask or None, never a dense (q_len x kv_len)
     one, and never read a value back from the device to build it; causal, window and
-    packing come from the module and kwargs (see patches/masks.py).
+    packing come from the module and kwargs (see patches/masks.py). Loading by name
+    a family torchattn cannot serve is refused at load time (patches/loading.py).
     """
     AttentionInterface.register(NAME, torchattn_attention)
     AttentionMaskInterface.register(NAME, padding_mask)
+    loading.install(NAME)
     _check_version(transformers.__version__)
 
 

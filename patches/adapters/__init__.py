@@ -21,7 +21,9 @@ computes q, k, v the module's way and calls ``_common.attend``, i.e.
 AttentionInterface), so both routes share one mask conversion
 (``patches.masks.from_hf``), one options lookup (``options_for(self)``: backend,
 block sizes) and one dropout rule: ``self.dropout.p`` in training, 0 in eval,
-with a fresh seed per call.
+with a fresh seed per call. Loading an adapter family with
+``attn_implementation="torchattn"`` installs no adapter, so it is refused at load
+time (patches/loading.py).
 
 torchattn never materialises attention probabilities: with
 ``output_attentions=True`` an adapter warns once and returns None in the

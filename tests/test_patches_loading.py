@@ -67,3 +67,12 @@ def test_patched_adapter_family_may_still_grow_modules():
 def test_served_families_still_load_by_name(family):
     model = _load_by_name(H.config(family))
     assert model.config._attn_implementation == patches.NAME
+
+
+@pytest.mark.parametrize("family", ["deberta-v2", "MPNet"])
+def test_from_pretrained_by_name_is_refused_too(family, tmp_path):
+    config = UNSUPPORTED_CONFIGS[family]() if family in UNSUPPORTED_CONFIGS else H.config(family)
+    transformers.AutoModel.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match="torchattn cannot"):
+        transformers.AutoModel.from_pretrained(tmp_path, attn_implementation=patches.NAME)
+    transformers.AutoModel.from_pretrained(tmp_path)  # without the name it loads as before

@@ -44,10 +44,12 @@ def _check(module: torch.nn.Module, name: str) -> None:
         return None
     family = families.lookup(module)  # raises for unsupported families, with the message patch() gives
     model = type(module).__name__
-    if family is None and model not in _warned:
-        _warned.add(model)
-        warnings.warn(families.unverified_message(model), stacklevel=4)
-    elif family.route is families.Route.ADAPTER:
+    if family is None:
+        if model not in _warned:
+            _warned.add(model)
+            warnings.warn(families.unverified_message(model), stacklevel=4)
+        return None
+    if family.route is families.Route.ADAPTER:
         raise NotImplementedError(
             f"torchattn cannot serve {model} loaded with attn_implementation={name!r}: {family.name} writes its "
             f"own attention, which torchattn replaces with an adapter that only patches.patch installs. Load it "

@@ -10,6 +10,8 @@ with a message that says so.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -76,3 +78,17 @@ def test_from_pretrained_by_name_is_refused_too(family, tmp_path):
     with pytest.raises(NotImplementedError, match="torchattn cannot"):
         transformers.AutoModel.from_pretrained(tmp_path, attn_implementation=patches.NAME)
     transformers.AutoModel.from_pretrained(tmp_path)  # without the name it loads as before
+
+
+def test_unverified_interface_family_loads_by_name_with_one_warning(monkeypatch):
+    """A family that dispatches through AttentionInterface but is not verified loads, with the
+    warning patch() gives, once per class however often it is loaded."""
+    monkeypatch.setattr(patches.loading, "_warned", set())
+    config = dict(_SMALL, num_key_value_heads=1, head_dim=16)
+    with pytest.warns(UserWarning, match="Qwen3Model dispatches through AttentionInterface but is not among"):
+        transformers.AutoModel.from_config(transformers.Qwen3Config(**config), attn_implementation=patches.NAME)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = transformers.AutoModel.from_config(transformers.Qwen3Config(**config),
+                                                   attn_implementation=patches.NAME)
+    assert model.config._attn_implementation == patches.NAME

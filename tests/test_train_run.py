@@ -4,6 +4,7 @@ a few steps of each real recipe at small lengths."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import re
@@ -170,8 +171,8 @@ def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):
 @pytest.mark.slow
 def test_sotu_lm_recipe_runs_a_few_steps(tmp_path, capsys):
     out = str(tmp_path / "sotu")
-    code = main(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "2", "--eval-batches", "2",
-                 "--output-dir", out])
+    code = main(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "2", "--grad-accum", "2",
+                 "--eval-batches", "2", "--output-dir", out])
     printed = capsys.readouterr().out
     assert code == 0
     evals = [r for r in records(out) if r.get("eval")]
@@ -179,3 +180,40 @@ def test_sotu_lm_recipe_runs_a_few_steps(tmp_path, capsys):
     assert all(1 < r["perplexity"] < 1e4 for r in evals), evals
     assert "perplexity before" in printed
     assert os.path.isfile(os.path.join(out, "model", "config.json"))
+
+
+def step_losses(output_dir) -> list[float]:
+    return [r["loss"] for r in records(output_dir) if "loss" in r]
+
+
+def test_bf16_autocasts_and_stays_close_to_float32(bert, docs_csv, tmp_path):
+    flags = ["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--max-steps", "2", "--log-steps", "1",
+             "--dropout", "0"]
+    assert main(flags + ["--output-dir", str(tmp_path / "f32")]) == 0
+    assert main(flags + ["--bf16", "--output-dir", str(tmp_path / "bf16")]) == 0
+    f32, bf16 = step_losses(tmp_path / "f32"), step_losses(tmp_path / "bf16")
+    assert bf16[0] != f32[0], "--bf16 must change the arithmetic"
+    assert bf16[0] == pytest.approx(f32[0], rel=2e-2), (bf16, f32)
+
+
+def test_grad_checkpointing_trains_exactly_like_without(llama, docs_csv, tmp_path):
+    # With attention and hidden dropout: the recomputed forward must drop what the first one did.
+    flags = ["--model", llama, "--dataset", docs_csv, "--task", "lm", "--max-length", "64", "--batch-size", "2",
+             "--max-steps", "3", "--lr", "3e-3", "--log-steps", "1", "--eval-batches", "1", "--dropout", "0.1"]
+    assert main(flags + ["--output-dir", str(tmp_path / "plain")]) == 0
+    assert main(flags + ["--grad-checkpointing", "--output-dir", str(tmp_path / "recompute")]) == 0
+    plain, recomputed = step_losses(tmp_path / "plain"), step_losses(tmp_path / "recompute")
+    assert len(plain) == 3
+    assert recomputed == pytest.approx(plain, rel=1e-5), "steps 2 and 3 follow the recomputed gradients"
+
+
+def test_profile_captures_torchattn_scopes(bert, docs_csv, tmp_path, capsys):
+    profile = tmp_path / "profile"
+    code = main(["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--max-steps", "8", "--log-steps", "4",
+                 "--eval-batches", "1", "--profile", str(profile), "--output-dir", str(tmp_path / "run")])
+    assert code == 0
+    assert "profile of steps" in capsys.readouterr().out
+    traces = list(profile.rglob("*.trace.json.gz"))
+    assert len(traces) == 1, list(profile.rglob("*"))
+    with gzip.open(traces[0], "rt") as f:
+        assert '"torchattn.' in f.read(), "the attention calls must be visible in the profile"

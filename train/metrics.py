@@ -78,7 +78,8 @@ class Progress:
 
 
 def plot_loss(records: list[dict], path: str) -> None:
-    """Training loss (and evaluation loss-like metrics, on a second axis) against step."""
+    """Training loss against step, with the evaluation points: held-out loss (log perplexity,
+    on the same axis) for a language model, held-out accuracy (on a second axis) for a classifier."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -89,13 +90,17 @@ def plot_loss(records: list[dict], path: str) -> None:
     figure, axis = plt.subplots(figsize=(7, 4))
     axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss", color="tab:blue")
     axis.set_xlabel("optimizer step")
-    axis.set_ylabel("training loss")
-    metric = next((name for name in ("accuracy", "perplexity") if evals and name in evals[0]), None)
-    if metric:
+    axis.set_ylabel("loss")
+    perplexity = [r for r in evals if "perplexity" in r]
+    accuracy = [r for r in evals if "accuracy" in r]
+    if perplexity:
+        axis.plot([r["step"] for r in perplexity], [math.log(r["perplexity"]) for r in perplexity], "o--",
+                  color="tab:orange", label="held-out loss (log perplexity)")
+    if accuracy:
         other = axis.twinx()
-        other.plot([r["step"] for r in evals], [r[metric] for r in evals], "o--", color="tab:orange",
-                   label=f"held-out {metric}")
-        other.set_ylabel(f"held-out {metric}")
+        other.plot([r["step"] for r in accuracy], [r["accuracy"] for r in accuracy], "o--", color="tab:orange",
+                   label="held-out accuracy")
+        other.set_ylabel("held-out accuracy")
         other.legend(loc="upper right")
     axis.legend(loc="upper left")
     figure.tight_layout()

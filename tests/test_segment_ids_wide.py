@@ -97,3 +97,21 @@ def test_no_device_to_host_transfer(device):
     assert met.counter_value("xla::_local_scalar_dense") in (None, 0)
     torch_xla.sync()
     assert all(torch.isfinite(t.cpu()).all() for t in (out, *grads))
+
+
+@pytest.mark.parametrize("dtype, values", [
+    (torch.uint64, [0, 2**63, 5, 2**32, 5, 0]),
+    (torch.uint32, [0, 2**32 - 1, 5, 2**31, 5, 0]),
+    (torch.int16, [0, -1, 5, 2**15 - 1, 5, 0]),
+    (torch.uint8, [0, 255, 5, 128, 5, 0]),
+], ids=str)
+def test_every_integer_dtype_keeps_equal_and_different_ids(dtype, values):
+    from torchattn.segments import to_int32
+
+    kv_values = values[::-1] + values[:2]
+    q_ids, kv_ids = torch.tensor([values], dtype=dtype), torch.tensor([kv_values], dtype=dtype)
+    for got_q, got_kv in (to_int32(q_ids, kv_ids), to_int32(q_ids, q_ids)):
+        assert got_q.dtype == got_kv.dtype == torch.int32
+    got_q, got_kv = to_int32(q_ids, kv_ids)
+    want = torch.tensor([[a == b for b in kv_values] for a in values])
+    assert torch.equal(got_q[0][:, None] == got_kv[0][None, :], want)

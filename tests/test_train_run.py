@@ -217,3 +217,16 @@ def test_profile_captures_torchattn_scopes(bert, docs_csv, tmp_path, capsys):
     assert len(traces) == 1, list(profile.rglob("*"))
     with gzip.open(traces[0], "rt") as f:
         assert '"torchattn.' in f.read(), "the attention calls must be visible in the profile"
+
+
+def test_learning_rate_decay_never_recompiles_the_optimizer_step(bert, docs_csv, tmp_path, capsys):
+    # lr * weight decay falls below 3e-8 during this run: torch's AdamW would multiply the
+    # weights by the Python float 1 - lr * wd, which is float32 1.0 from then on, and
+    # torch_xla makes 1.0 a graph constant, so the optimizer step compiled once more.
+    code = main(["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--epochs", "2", "--lr", "4e-6",
+                 "--warmup", "0", "--weight-decay", "0.01", "--log-steps", "100", "--eval-batches", "1",
+                 "--output-dir", str(tmp_path / "run")])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "after warm-up at step" not in printed
+    assert re.search(r"compilations: warm-up / after +\d+ / 0\n", printed), printed

@@ -19,7 +19,19 @@ import sys
 def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> int:
     """The whole run; returns the process exit status. ``stop_at_step`` (tests) acts as a
     SIGTERM arriving during that optimizer step."""
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    # The trainer's warnings (compilations, memory) go to this run's stdout, between progress lines.
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("train")
+    log.setLevel(logging.INFO)
+    log.addHandler(handler)
+    try:
+        return _run(argv, stop_at_step)
+    finally:
+        log.removeHandler(handler)
+
+
+def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     from .config import ConfigError, parse_args
 
     try:

@@ -159,7 +159,8 @@ class Trainer:
             from .recompute import enable_activation_checkpointing
 
             enable_activation_checkpointing(self.model)
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        # Weight decay is applied by _optimizer_step itself (see there), so AdamW gets 0.
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
         # Moves the model to the device; the optimizer then all-reduces gradients across processes.
         self.model, self.optimizer = self.accelerator.prepare(self.model, optimizer)
         warmup_steps = int(config.warmup * self.total_steps)
@@ -320,6 +321,15 @@ class Trainer:
         def update():
             if self.config.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+            if self.config.weight_decay > 0:
+                # AdamW's decoupled decay, w -= lr * wd * w, before its update as in torch's AdamW.
+                # torch's AdamW multiplies by the Python float 1 - lr * wd instead: late in a
+                # decaying schedule that is float32 1.0, which torch_xla puts into the graph as a
+                # constant, so the step would compile again. A small alpha stays data.
+                decay = -self.optimizer.param_groups[0]["lr"] * self.config.weight_decay
+                with torch.no_grad():
+                    for parameter in self.model.parameters():
+                        parameter.add_(parameter, alpha=decay)
             self.optimizer.step()
             self.scheduler.step()
             # Zeroed in place, not set to None: the next micro-batch's graph stays the same.

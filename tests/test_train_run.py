@@ -18,7 +18,7 @@ from train.__main__ import main
 from train.config import parse_args
 from train.trainer import Trainer, classification_scores
 
-TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "compiles"}
+TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "compiles", "host_rss_mb"}
 
 
 @pytest.fixture(scope="module")

@@ -1,1 +1,1 @@
-"""The trainer (`python -m train`) will live here."""
+"""The trainer: `python -m train` (see README "Training")."""

@@ -79,17 +79,20 @@ def device_memory(device) -> dict | None:
 
 
 class MemoryWatch:
-    """Host and device memory at the end of each epoch, against the first epoch's.
+    """Host and device memory through the run, against the first reading after warm-up.
 
-    Growth beyond ``threshold`` (0.2 = +20 %) is logged as a probable leak: a steady
-    state training loop allocates the same every epoch.
+    Read at every logged step and at each epoch's end, so a one-epoch run is watched too.
+    Growth beyond ``threshold`` (0.2 = +20 %) is logged as a probable leak, once per
+    quantity: a steady-state training loop allocates the same every step.
     """
 
     def __init__(self, device, threshold: float = 0.2):
         self.device = device
         self.threshold = threshold
         self.first: dict[str, int] | None = None
+        self.first_where: str | None = None
         self.readings: list[dict[str, int]] = []
+        self._warned: set[str] = set()
 
     def read(self) -> dict[str, int]:
         reading = {"host_rss": host_rss()}
@@ -98,17 +101,19 @@ class MemoryWatch:
             reading["device_bytes"] = int(device["bytes_used"])
         return reading
 
-    def epoch_end(self, epoch: int) -> dict[str, int]:
+    def check(self, where: str) -> dict[str, int]:
+        """Reads memory now (``where``: "step 40", "end of epoch 0") and compares it with the first reading."""
         reading = self.read()
         self.readings.append(reading)
         if self.first is None:
-            self.first = reading
+            self.first, self.first_where = reading, where
             return reading
         for name, value in reading.items():
             base = self.first.get(name)
-            if base and value > base * (1 + self.threshold):
-                log.warning("warning: probable memory leak: %s grew %+.0f%% from the first epoch's end to "
-                            "epoch %d's (%d -> %d bytes)", name, 100 * (value / base - 1), epoch, base, value)
+            if base and value > base * (1 + self.threshold) and name not in self._warned:
+                self._warned.add(name)
+                log.warning("warning: probable memory leak: %s grew %+.0f%% from %s to %s (%d -> %d bytes)",
+                            name, 100 * (value / base - 1), self.first_where, where, base, value)
         return reading
 
     def peak_device(self) -> int | None:

@@ -277,7 +277,7 @@ class Trainer:
         if micro_losses:
             self._sync("zero_grad", self._zero_grads)
         self._evaluate()
-        self.memory.epoch_end(self.position.epoch - 1)
+        self.memory.check(f"the end of epoch {self.position.epoch - 1}")
         self.model.train()
 
     def _zero_grads(self) -> None:
@@ -347,9 +347,11 @@ class Trainer:
         loss = None
         if step % config.log_steps == 0 or step == self.total_steps:
             loss = sum(t.item() for t in micro_losses) / len(micro_losses)
+            memory = self.memory.check(f"step {step}")
             self.metrics.write({"step": step, "epoch": self.position.epoch, "loss": loss,
                                 "lr": lr, "tokens_per_s": tokens / elapsed,
-                                "step_time_s": elapsed, "compiles": compiles})
+                                "step_time_s": elapsed, "compiles": compiles,
+                                "host_rss_mb": memory["host_rss"] / 2**20})
         self.display.update(step, loss=loss, tokens_per_s=tokens / elapsed, step_time=elapsed, compiles=compiles)
         if self._stop_at_step == step and self._signal is None:
             self._signal = signal.SIGTERM

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import patches  # noqa: E402
-import torchattn  # noqa: E402
+import attention_spy  # noqa: E402
 
 SENTENCES = [
     "The committee will meet again on Thursday to discuss the budget.",
@@ -35,19 +35,6 @@ SENTENCES = [
     "Good morning, everyone.",
 ]
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def attention_calls(monkeypatch) -> list[str]:
-    """Records the backend of every torchattn.flash_attention call the patches make."""
-    calls = []
-    original = torchattn.flash_attention
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("backend", "auto"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torchattn, "flash_attention", spy)
-    return calls
 
 
 def on_device(batch: dict, device) -> dict:
@@ -107,10 +94,10 @@ def test_minilm_matches_eager(minilm, backend, monkeypatch):
     model, batch, weights, expected, expected_grads = minilm
     device = xla_device() if backend == "xla" else torch.device("cpu")
     model = copy.deepcopy(model).to(device)
-    calls = attention_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     with patches.patched(model, backend=backend):
         got, grads = forward_backward(model, batch, weights)
-    assert calls == [backend] * model.config.num_hidden_layers
+    assert [c["backend"] for c in calls] == [backend] * model.config.num_hidden_layers
     real = batch["attention_mask"].bool()  # (batch, seq); padded positions hold garbage in both
     err = (got - expected)[real].abs().max().item()
     grad_err = grad_error(grads, expected_grads)
@@ -194,10 +181,10 @@ def test_smollm2_logits_match_eager(smollm2, backend, monkeypatch):
     device = xla_device() if backend == "xla" else torch.device("cpu")
     if device.type != "cpu":
         model = copy.deepcopy(model).to(device)
-    calls = attention_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     with torch.no_grad(), patches.patched(model, backend=backend):
         got = model(**on_device(batch, device)).logits
-    assert calls == [backend] * model.config.num_hidden_layers
+    assert [c["backend"] for c in calls] == [backend] * model.config.num_hidden_layers
     err = max_error(got, expected, batch)
     print(f"SmolLM2 {backend}: max |patched - eager| = {err:.2e}, tolerance {tolerance:.2e}")  # shown with -rP
     assert err <= tolerance, (f"SmolLM2 logits, backend {backend}: max |patched - eager| = {err:.2e} > "
@@ -212,7 +199,7 @@ def test_smollm2_greedy_generate_matches_eager(smollm2, backend, monkeypatch):
     inputs = {name: batch[name] for name in ("input_ids", "attention_mask")}
     settings = dict(max_new_tokens=10, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     expected = model.generate(**inputs, **settings)
-    calls = attention_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     with patches.patched(model, backend=backend):
         got = model.generate(**inputs, **settings)
     assert len(calls) == 10 * model.config.num_hidden_layers  # prefill + 9 decode steps, 30 layers each
@@ -228,10 +215,10 @@ def test_smollm2_gradients_match_eager(smollm2, smollm2_gradients, backend, monk
     weights, expected, grad_tolerance = smollm2_gradients
     device = xla_device() if backend == "xla" else torch.device("cpu")
     decoder = copy.deepcopy(model.model).to(device)
-    calls = attention_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     with patches.patched(decoder, backend=backend):
         _, grads = forward_backward(decoder, batch, weights)
-    assert calls == [backend] * model.config.num_hidden_layers
+    assert [c["backend"] for c in calls] == [backend] * model.config.num_hidden_layers
     err = grad_error(grads, expected)
     print(f"SmolLM2 {backend}: gradients max |patched - eager| = {err:.2e}, tolerance {grad_tolerance:.2e}")
     assert err <= grad_tolerance, (f"SmolLM2 gradients, backend {backend}: max |patched - eager| = {err:.2e} > "

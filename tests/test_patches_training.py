@@ -13,7 +13,7 @@ import torch
 import transformers
 
 import patches
-import torchattn
+import attention_spy
 from hlo import compile_count
 
 torch_xla = pytest.importorskip("torch_xla")
@@ -44,23 +44,10 @@ def task(device) -> dict:
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
-def dropout_calls(monkeypatch) -> list[tuple[float, int | None]]:
-    """Records (dropout_p, dropout_seed) of every torchattn.flash_attention call."""
-    calls = []
-    original = torchattn.flash_attention
-
-    def spy(*args, **kwargs):
-        calls.append((kwargs.get("dropout_p", 0.0), kwargs.get("dropout_seed")))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torchattn, "flash_attention", spy)
-    return calls
-
-
 def test_training_loss_decreases_without_recompiling(device, monkeypatch):
     model, batch = tiny_bert(device), task(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    calls = dropout_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     model.train()
     losses, compiles = [], []
     for _ in range(6):
@@ -72,8 +59,8 @@ def test_training_loss_decreases_without_recompiling(device, monkeypatch):
         losses.append(loss.item())  # already computed by the sync: no extra graph
         compiles.append(compile_count())
     layers = CONFIG["num_hidden_layers"]
-    assert [p for p, _ in calls] == [DROPOUT] * (6 * layers), "attention dropout must reach torchattn"
-    assert len({seed for _, seed in calls}) == len(calls), "a fresh dropout seed per call"
+    assert [c["dropout_p"] for c in calls] == [DROPOUT] * (6 * layers), "attention dropout must reach torchattn"
+    assert len({c["dropout_seed"] for c in calls}) == len(calls), "a fresh dropout seed per call"
     # Step 1 compiles forward + backward + the optimizer's first step (state creation),
     # step 2 the steady-state step; after that a new dropout seed is only new data.
     assert compiles[1:] == [compiles[1]] * 5, f"graphs compiled after each step: {compiles}"
@@ -83,7 +70,7 @@ def test_training_loss_decreases_without_recompiling(device, monkeypatch):
 def test_dropout_follows_torch_seed_in_train_mode_only(device, monkeypatch):
     model, batch = tiny_bert(device), task(device)
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-    calls = dropout_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
 
     def hidden(seed: int) -> torch.Tensor:  # (batch, seq, hidden)
         torch.manual_seed(seed)
@@ -95,7 +82,7 @@ def test_dropout_follows_torch_seed_in_train_mode_only(device, monkeypatch):
     train_compiles = compile_count()
     again, other = hidden(1), hidden(2)
     assert compile_count() == train_compiles, "a new seed is data: no new graph"
-    assert [p for p, _ in calls] == [DROPOUT] * (3 * CONFIG["num_hidden_layers"])
+    assert [c["dropout_p"] for c in calls] == [DROPOUT] * (3 * CONFIG["num_hidden_layers"])
     assert torch.equal(first, again), "same torch.manual_seed, same dropout masks"
     diff = (first - other).abs().max().item()
     assert diff > 1e-2, f"another seed must drop other probabilities; max |difference| {diff:.2e}"
@@ -103,7 +90,7 @@ def test_dropout_follows_torch_seed_in_train_mode_only(device, monkeypatch):
     model.eval()
     calls.clear()
     eval_1, eval_2 = hidden(1), hidden(2)
-    assert [p for p, _ in calls] == [0.0] * (2 * CONFIG["num_hidden_layers"])
+    assert [c["dropout_p"] for c in calls] == [0.0] * (2 * CONFIG["num_hidden_layers"])
     assert torch.equal(eval_1, eval_2), "eval mode must not depend on the seed"
     diff = (first - eval_1).abs().max().item()
     assert diff > 1e-2, f"train mode must differ from eval mode; max |difference| {diff:.2e}"

@@ -17,7 +17,7 @@ import tokenizers
 import torch
 import transformers
 
-import torchattn
+import attention_spy
 from train.models import ModelError, load_model, max_positions, save_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -60,19 +60,6 @@ def ids(n: int, batch: int = 2) -> torch.Tensor:
     return torch.randint(5, len(WORDS) + 5, (batch, n))
 
 
-def attention_backends(monkeypatch) -> list[str]:
-    """Records the backend of every torchattn.flash_attention call the patches make."""
-    calls = []
-    original = torchattn.flash_attention
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("backend", "auto"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torchattn, "flash_attention", spy)
-    return calls
-
-
 # --- built-ins and folders ------------------------------------------------------------------------
 
 def test_builtin_minilm_for_classification():
@@ -95,14 +82,14 @@ def test_torchattn_runs_the_chosen_backend_and_matches_eager(tiny, monkeypatch):
     patched, _ = load_model(tiny["bert"], task="classification", num_labels=3, attn="torchattn",
                             backend="reference")
     patched.load_state_dict(eager.state_dict())  # the new heads are random: give both the same one
-    calls = attention_backends(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     x = ids(9)
     mask = torch.ones_like(x)
     mask[1, 6:] = 0
     with torch.no_grad():
         expected = eager.eval()(input_ids=x, attention_mask=mask).logits
         got = patched.eval()(input_ids=x, attention_mask=mask).logits
-    assert calls == ["reference", "reference"]  # one call per layer
+    assert [c["backend"] for c in calls] == ["reference", "reference"]  # one call per layer
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 

@@ -8,7 +8,7 @@ import torch
 import transformers
 
 import patches
-import torchattn
+import attention_spy
 from train.recompute import enable_activation_checkpointing
 
 LAYERS = 2
@@ -41,18 +41,6 @@ def batch(family: str, device) -> dict[str, torch.Tensor]:
     return {key: value.to(device) for key, value in ({"input_ids": input_ids} | extra).items()}
 
 
-def attention_calls(monkeypatch) -> list[int]:
-    calls = []
-    original = torchattn.flash_attention
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("dropout_p", 0.0))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(torchattn, "flash_attention", spy)
-    return calls
-
-
 def step(model, inputs, device, seed: int) -> tuple[float, dict[str, torch.Tensor]]:
     import torch_xla
 
@@ -70,10 +58,10 @@ def test_gradients_equal_those_without_recompute(family, device, monkeypatch):
     plain, recomputed = build(family).to(device), build(family).to(device)
     assert enable_activation_checkpointing(recomputed) == LAYERS
     inputs = batch(family, device)
-    calls = attention_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
 
     loss, grads = step(plain, inputs, device, seed=7)
-    assert len(calls) == LAYERS and all(p > 0 for p in calls)  # attention dropout on in every layer
+    assert len(calls) == LAYERS and all(c["dropout_p"] > 0 for c in calls)  # attention dropout on in every layer
     state_after_plain = torch.get_rng_state()
     loss_recomputed, grads_recomputed = step(recomputed, inputs, device, seed=7)
     assert len(calls) == 3 * LAYERS  # the recomputed model ran each layer twice: forward and recompute
@@ -92,7 +80,7 @@ def test_gradients_equal_those_without_recompute(family, device, monkeypatch):
 def test_eval_and_no_grad_do_not_recompute(device, monkeypatch):
     model = build("llama").to(device)
     enable_activation_checkpointing(model)
-    calls = attention_calls(monkeypatch)
+    calls = attention_spy.record_calls(monkeypatch)
     inputs = batch("llama", device)
     model.eval()
     model(**inputs).loss.backward()

@@ -9,7 +9,7 @@ import torch
 from . import backends, segments
 from .config import BlockSizes
 from .dropout import MASK32, seed_to_uint32
-from .request import Options, Request
+from .request import Options, Request, accumulation_dtype
 from .types import is_bool, type_name
 
 MAX_HEAD_DIM = 256
@@ -236,7 +236,7 @@ def _check_bias(bias, q, k):
         raise ValueError(f"bias: expected a shape broadcastable to (batch, q_heads, q_len, kv_len)={full}, "
                          f"got {shape}")
     if bias.dtype != q.dtype:  # the autograd cast returns the gradient in the bias's own dtype
-        bias = bias.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        bias = bias.to(accumulation_dtype(q.dtype))
     return bias.reshape((1,) * (4 - len(shape)) + shape)
 
 

@@ -7,7 +7,7 @@ The ops dispatch by name to a blockwise implementation: ``pallas``,
 ``interpret`` or ``xla``. Each implementation module provides
 
     forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_sizes)
-        -> (out, lse)                    lse: (batch, q_heads, q_len) in lse_dtype(q)
+        -> (out, lse)                    lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
     backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed,
              options, block_sizes, bias_grad) -> (dq, dk, dv, dbias or None)
 
@@ -29,16 +29,11 @@ import torch
 
 from . import internals
 from .config import BlockSizes
-from .request import Options, Request
+from .request import Options, Request, accumulation_dtype
 
 
 def _impl(name: str):
     return importlib.import_module(f"torchattn.backends.{name}")
-
-
-def lse_dtype(q: torch.Tensor) -> torch.dtype:
-    """float32, or float64 for float64 inputs (the ``xla`` backend keeps float64 throughout)."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 def _options(causal, scale, window_left, window_right, has_window, softcap, dropout_p) -> Options:
@@ -62,7 +57,7 @@ def attention_forward(
 @attention_forward.register_fake
 def _(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, causal, scale, window_left,
       window_right, has_window, softcap, dropout_p, block_sizes):
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=lse_dtype(q))
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op("torchattn::attention_backward", mutates_args=())

@@ -10,6 +10,7 @@ import torch
 
 from .dropout import dropout_mask
 from .masks import diagonal_bounds, visible
+from .request import accumulation_dtype
 
 
 def attention_reference(
@@ -74,4 +75,4 @@ def attention_reference(
         probs = torch.where(keep, probs / (1.0 - dropout_p), 0.0)
     out = (probs @ vc).to(q.dtype)
     lse = torch.where(row_sees, lse, float("-inf")).squeeze(-1)
-    return out, lse.to(torch.float64 if compute == torch.float64 else torch.float32)
+    return out, lse.to(accumulation_dtype(compute))

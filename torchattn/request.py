@@ -10,6 +10,12 @@ from .config import BlockSizes
 from .masks import diagonal_bounds
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the scores, the softmax statistics and the lse for inputs of ``dtype``:
+    float64 for float64 inputs (which stay float64 throughout), float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """Static (hashable) options of one call; tensors live in :class:`Request`.

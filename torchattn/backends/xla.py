@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from .. import autograd, internals
 from ..dropout import column_keys, element_bits, keep_threshold, row_keys
 from ..masks import visible
-from ..request import Request
+from ..request import Request, accumulation_dtype
 
 NAME = "xla"
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -72,7 +72,7 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_siz
         out = torch.where(seen, acc / (l * (1.0 - options.dropout_p)), 0.0)
         lse = torch.where(seen, m + torch.log(l), _NEG_INF)
         out = out.view(lay.B, lay.Hq, lay.Sq, lay.D).to(q.dtype)  # rows layout -> (B, Hq, Sq, D)
-        return out, lse.view(lay.B, lay.Hq, lay.Sq).to(autograd.lse_dtype(q))
+        return out, lse.view(lay.B, lay.Hq, lay.Sq).to(lay.compute)
 
 
 def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options,
@@ -132,7 +132,7 @@ class _Layout:
         self.R = self.G * self.Sq
         self.bk = block_kv
         self.n = -(-self.Skv // block_kv)  # number of kv blocks; the last one is padded
-        self.compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.compute = accumulation_dtype(q.dtype)
 
     def rows(self, t):
         """(B, Hq, Sq, X) -> (B, Hkv, G * Sq, X) in the compute dtype (a view: Hq = Hkv * G)."""

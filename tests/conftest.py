@@ -49,7 +49,7 @@ def device():
 
 @pytest.fixture
 def fake_tpu(monkeypatch):
-    """torchattn sees a TPU: its one device-type read (torchattn.devices) answers "TPU".
+    """torchattn sees a TPU v5e: its device reads (torchattn.devices) answer "TPU" and "TPU v5 lite".
 
     Tensors stay on XLA:CPU, so the ``pallas`` backend's graph can be built and read, never run.
     Fallback warnings are reset so each test sees its own.
@@ -57,6 +57,7 @@ def fake_tpu(monkeypatch):
     from torchattn import backends, devices
 
     monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
+    monkeypatch.setattr(devices, "xla_device_kind", lambda device: "TPU v5 lite")
     monkeypatch.setattr(backends, "_warned", set())
 
 

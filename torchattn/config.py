@@ -43,10 +43,20 @@ class BlockSizes:
             object.__setattr__(self, field.name, int(getattr(self, field.name)))
 
     @classmethod
-    def default(cls, q_len: int, kv_len: int, head_dim: int) -> "BlockSizes":
-        """TPU-sensible blocks: up to 512 rows (256 for head_dim > 128), clamped to the sequence."""
-        cap = 512 if head_dim <= 128 else 256
-        return cls(block_q=cap, block_kv=cap, block_q_bwd=cap, block_kv_bwd=cap).clamped(q_len, kv_len)
+    def default(cls, q_len: int, kv_len: int, head_dim: int, generation: str | None = None) -> "BlockSizes":
+        """The default blocks for a TPU ``generation`` ("v4", "v5e", "v5p", "v6e"; see
+        torchattn.generations and the README's table), clamped to the sequence. Without a
+        generation (not on a TPU: the ``interpret`` and ``xla`` backends): 512 rows, 256 for
+        head_dim > 128."""
+        if generation is None:
+            cap = 512 if head_dim <= 128 else 256
+            sizes = (cap,) * 4
+        else:
+            from . import generations
+
+            chip = generations.get(generation)
+            sizes = chip.blocks if head_dim <= 128 else chip.blocks_wide_heads
+        return cls(*sizes).clamped(q_len, kv_len)
 
     def clamped(self, q_len: int, kv_len: int) -> "BlockSizes":
         """These sizes, each no larger than its sequence rounded up to the tile multiple, so a

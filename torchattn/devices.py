@@ -21,3 +21,21 @@ def kind(device: torch.device) -> str:
     if device.type != "xla":
         return "torch"
     return "tpu" if xla_device_type() == "TPU" else "xla"
+
+
+def tpu_generation(device: torch.device) -> str | None:
+    """The TPU generation ("v4", "v5e", "v5p", "v6e") of an XLA device on a TPU; None otherwise
+    (any other device, or a TPU kind torchattn has no table for)."""
+    if kind(device) != "tpu":
+        return None
+    from . import generations
+
+    found = generations.from_device_kind(xla_device_kind(device))
+    return None if found is None else found.name
+
+
+def xla_device_kind(device: torch.device) -> str:
+    """What the chip behind an XLA device calls itself: "TPU v5 lite", "TPU v6 lite", ..."""
+    import torch_xla.core.xla_model as xm
+
+    return xm.xla_device_kind(device)

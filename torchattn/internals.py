@@ -8,6 +8,7 @@ breakage shows first.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -39,13 +40,38 @@ def mosaic_payload(fn, signature) -> str:
     import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401
 
     structs = [jax.ShapeDtypeStruct(shape, _jax_dtype(dtype)) for shape, dtype in signature]
-    module = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compiler_ir()
+    with pinned_mosaic_version():
+        module = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compiler_ir()
     configs = [op.attributes["backend_config"].value for op in _walk(module.operation)
                if op.name == "stablehlo.custom_call"
                and op.attributes["call_target_name"].value == "tpu_custom_call"]
     if len(configs) != 1:
         raise RuntimeError(f"expected one tpu_custom_call in the lowered kernel, found {len(configs)}")
     return configs[0]
+
+
+# The Mosaic serialization version of every kernel torchattn lowers for TPU: one that
+# libtpu 0.0.21 (the pinned runtime, torch_xla 2.9's ``tpu`` extra) deserialises.
+# jax 0.7.1 otherwise guesses from the TPU runtime it sees: version 8 on a machine
+# without one (refused: "Unsupported version: expected <= 7 but got 8"), and on a TPU
+# VM whatever backend JAX finds next to torch_xla. tests/test_tpu_compile.py compiles
+# payloads at this version with the pinned libtpu.
+MOSAIC_IR_VERSION = 7
+
+
+@contextlib.contextmanager
+def pinned_mosaic_version():
+    """Lowerings inside serialise Mosaic kernels at :data:`MOSAIC_IR_VERSION`.
+
+    jax has no public setting for it: ``jax._src.tpu_custom_call.get_ir_version``
+    is the one place it is decided, so it is replaced for the duration.
+    """
+    from unittest import mock
+
+    import jax._src.tpu_custom_call as tpu_custom_call
+
+    with mock.patch.object(tpu_custom_call, "get_ir_version", lambda ctx: MOSAIC_IR_VERSION):
+        yield
 
 
 def _jax_dtype(dtype: torch.dtype) -> str:
@@ -61,6 +87,27 @@ def _walk(operation):
             for op in block.operations:
                 yield op.operation
                 yield from _walk(op.operation)
+
+
+# ---------------------------------------------------------------------------
+# Compiling for TPU on a machine without one (torchattn.aot): libtpu's compile-only
+# client compiles jax functions through public jax API; a torch_xla graph arrives as
+# StableHLO text, which only the client's own compile method takes.
+
+
+def compile_stablehlo(text: str, device):
+    """Compiles StableHLO ``text`` (one device, no partitioning) for TPU ``device``
+    of a compile-only topology; returns the loaded executable."""
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client
+    from jax._src.lib.mlir import ir
+
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        bytecode = mlir.module_to_bytecode(module)
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+    return device.client.compile(bytecode, xla_client.DeviceList((device,)), options)
 
 
 # ---------------------------------------------------------------------------

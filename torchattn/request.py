@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from . import devices
 from .config import BlockSizes
 from .masks import diagonal_bounds
 
@@ -91,7 +92,8 @@ class Request:
         return self.q.device
 
     def resolved_block_sizes(self) -> BlockSizes:
-        """The caller's block sizes or the default, clamped to this call's lengths."""
+        """The caller's block sizes or the default for this device's TPU generation, clamped
+        to this call's lengths."""
         if self.block_sizes is None:
-            return BlockSizes.default(self.q_len, self.kv_len, self.head_dim)
+            return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, devices.tpu_generation(self.device))
         return self.block_sizes.clamped(self.q_len, self.kv_len)

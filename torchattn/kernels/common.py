@@ -49,6 +49,7 @@ class KernelSpec:
     has_segments: bool
     bias_shape: tuple[int, int, int, int] | None
     interpret: bool
+    vmem_limit_bytes: int | None = None  # Mosaic's scoped VMEM limit; None keeps the compiler's default
 
     @property
     def groups(self) -> int:
@@ -194,7 +195,8 @@ def launcher(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, 
                                                out_specs=out_specs, scratch_shapes=scratch_shapes),
         out_shape=out_shape,
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",)),
+            dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+            vmem_limit_bytes=spec.vmem_limit_bytes),
         interpret=spec.interpret,
         name=name,
     )

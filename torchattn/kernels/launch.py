@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import devices, generations
 from ..config import LANES, SUBLANES, BlockSizes, round_up
 from ..request import Options, Request
 from . import bridge
@@ -24,7 +25,9 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, compiled: bool):
+def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, compiled: bool,
+          generation: str | None = None):
+    """The KernelSpec of one call; ``generation`` (compiled kernels only) sets the VMEM limit."""
     from .common import KernelSpec  # imports jax: only once a kernel actually runs
 
     batch, q_heads, q_len, head_dim = q.shape
@@ -40,7 +43,8 @@ def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int
         kv_pad=kv_pad, head_dim=head_dim, block_q=block_q, block_kv=block_kv,
         dtype=str(q.dtype).removeprefix("torch."), scale=options.scale, left=left, right=right,
         softcap=options.softcap, dropout_p=options.dropout_p, has_segments=segment_ids is not None,
-        bias_shape=bias_shape, interpret=not compiled)
+        bias_shape=bias_shape, interpret=not compiled,
+        vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if compiled and generation else None)
 
 
 def _pad_lanes(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -87,7 +91,8 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options,
             block_sizes: BlockSizes, *, compiled: bool):
     from .forward import forward_call
 
-    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q, block_sizes.block_kv, compiled)
+    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q, block_sizes.block_kv, compiled,
+                 devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
@@ -100,7 +105,8 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
              block_sizes: BlockSizes, bias_grad: bool, *, compiled: bool):
     from .backward import dkv_call, dq_call
 
-    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, compiled)
+    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, compiled,
+                 devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel

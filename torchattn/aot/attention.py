@@ -1,0 +1,95 @@
+"""torchattn's forward, dq and dk/dv kernels compiled for a TPU generation, from shapes alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import LANES, SUBLANES, BlockSizes
+from ..kernels import launch
+from ..request import Options
+from .compiler import Compiled, compile_jax
+
+BIAS_KINDS = (None, "full", "broadcast")  # full: (batch, q_heads, q_len, kv_len); broadcast: (1, q_heads, 1, kv_len)
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """The shape and features of one attention call, as ``flash_attention`` would get it."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str = "bfloat16"  # "float32" or "bfloat16", the dtypes the kernels take
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    segments: bool = False
+    bias: str | None = None
+    dropout_p: float = 0.0
+
+    def options(self) -> Options:
+        return Options(causal=self.causal, scale=self.head_dim**-0.5, window=self.window, softcap=self.softcap,
+                       dropout_p=self.dropout_p)
+
+    def specs(self, block_sizes: BlockSizes, generation: str):
+        """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
+        meta = dict(device="meta", dtype=getattr(torch, self.dtype))
+        q = torch.empty(self.batch, self.q_heads, self.q_len, self.head_dim, **meta)
+        k = torch.empty(self.batch, self.kv_heads, self.kv_len, self.head_dim, **meta)
+        bias = {None: None,
+                "full": torch.empty(self.batch, self.q_heads, self.q_len, self.kv_len, device="meta"),
+                "broadcast": torch.empty(1, self.q_heads, 1, self.kv_len, device="meta")}[self.bias]
+        ids = torch.empty(self.batch, self.q_len, device="meta", dtype=torch.int32) if self.segments else None
+        options = self.options()
+        return (launch._spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv, True, generation),
+                launch._spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, True,
+                             generation))
+
+    def default_block_sizes(self, generation: str) -> BlockSizes:
+        return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
+
+
+def argument_structs(spec):
+    """ShapeDtypeStructs of the kernels' arguments: (forward, backward), in launch.py's order:
+    seed, q, k, v, [do, lse, delta], [q_ids, kv_ids], [bias]."""
+    import jax
+    import jax.numpy as jnp
+
+    sds = jax.ShapeDtypeStruct
+    dt = jnp.dtype(spec.dtype)
+    b, hq, hkv, qp, kp, d = spec.batch, spec.q_heads, spec.kv_heads, spec.q_pad, spec.kv_pad, spec.head_dim
+    base = [sds((1,), jnp.int32), sds((b, hq, qp, d), dt), sds((b, hkv, kp, d), dt), sds((b, hkv, kp, d), dt)]
+    rows = [sds((b, hq, qp, d), dt), sds((b, hq, qp, LANES), jnp.float32), sds((b, hq, qp, LANES), jnp.float32)]
+    extra = []
+    if spec.has_segments:
+        extra += [sds((b, qp, LANES), jnp.int32), sds((b, SUBLANES, kp), jnp.int32)]
+    if spec.bias_shape is not None:
+        extra.append(sds(spec.bias_shape, jnp.float32))
+    return base + extra, base + rows + extra
+
+
+def compile_attention(attention: Attention, generation: str,
+                      block_sizes: BlockSizes | None = None) -> list[Compiled]:
+    """Compiles the forward, dq and dk/dv kernels of ``attention`` for ``generation``.
+
+    block_sizes default to the generation's (``BlockSizes.default``); given ones are
+    clamped to the lengths as a call would clamp them. Raises what the compiler
+    raises (e.g. ``RESOURCE_EXHAUSTED`` when a kernel does not fit in VMEM).
+    """
+    from ..kernels.backward import dkv_call, dq_call
+    from ..kernels.forward import forward_call
+
+    blocks = (block_sizes.clamped(attention.q_len, attention.kv_len) if block_sizes is not None
+              else attention.default_block_sizes(generation))
+    fwd_spec, bwd_spec = attention.specs(blocks, generation)
+    fwd_args, _ = argument_structs(fwd_spec)
+    _, bwd_args = argument_structs(bwd_spec)
+    with_ds = bwd_spec.bias_shape is not None
+    return [compile_jax(forward_call(fwd_spec), fwd_args, generation, "forward"),
+            compile_jax(dq_call(bwd_spec, with_ds), bwd_args, generation, "backward_dq"),
+            compile_jax(dkv_call(bwd_spec), bwd_args, generation, "backward_dkv")]

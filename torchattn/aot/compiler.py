@@ -1,0 +1,83 @@
+"""Compiling for TPU without one: libtpu's compile-only client, as MaxText's train_compile.py does.
+
+``jax.experimental.topologies.get_topology_desc`` gives devices of a TPU slice
+that exists only for the compiler; ``jit(...).lower().compile()`` on them runs
+the whole XLA:TPU compiler and Mosaic, so a kernel that overflows VMEM or that
+Mosaic rejects fails here as it would on the chip. Needs the ``libtpu`` wheel
+(in the ``dev`` and ``tpu`` extras).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import time
+
+from .. import generations, internals
+
+
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+    """One program compiled for one TPU generation, and what the compiler says about it.
+
+    Bytes are TPU HBM per call: arguments, outputs and the compiler's temporaries.
+    ``flops`` is the compiled program's cost analysis (a Pallas kernel counts only
+    through its ``cost_estimate``).
+    """
+
+    name: str
+    generation: str
+    seconds: float
+    argument_bytes: int
+    output_bytes: int
+    temp_bytes: int
+    flops: float
+    bytes_accessed: float
+    executable: object = dataclasses.field(repr=False, compare=False)
+
+
+@functools.lru_cache(maxsize=None)
+def device(generation: str):
+    """Device 0 of a compile-only slice of ``generation``."""
+    from jax.experimental import topologies
+
+    # libtpu refuses a second process on the machine without this (a TPU VM's guard
+    # against two runtimes sharing chips; here nothing is shared: compile-only).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=generations.get(generation).topology)
+    return topology.devices[0]
+
+
+def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
+    """Compiles jax function ``fn`` for arguments ``structs`` (ShapeDtypeStructs) on ``generation``."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(np.array([device(generation)]), ("x",)), PartitionSpec())
+    placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
+    start = time.perf_counter()
+    with internals.pinned_mosaic_version():
+        executable = jax.jit(fn).trace(*placed).lower().compile()
+    return _describe(name, generation, time.perf_counter() - start, executable,
+                     executable.cost_analysis(), executable.memory_analysis())
+
+
+def compile_stablehlo(text: str, generation: str, name: str) -> Compiled:
+    """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``."""
+    start = time.perf_counter()
+    executable = internals.compile_stablehlo(text, device(generation))
+    seconds = time.perf_counter() - start
+    costs = executable.cost_analysis()
+    return _describe(name, generation, seconds, executable, costs[0] if isinstance(costs, list) else costs,
+                     executable.get_compiled_memory_stats())
+
+
+def _describe(name, generation, seconds, executable, costs, memory) -> Compiled:
+    costs = costs or {}
+    return Compiled(
+        name=name, generation=generation, seconds=seconds,
+        argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes, flops=float(costs.get("flops", 0.0)),
+        bytes_accessed=float(costs.get("bytes accessed", 0.0)), executable=executable)

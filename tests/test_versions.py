@@ -55,6 +55,13 @@ def test_unverified_set_warns_once_naming_found_and_verified(installed):
         assert f"{name} {version}" in message
 
 
+def test_other_libtpu_warns(installed):
+    """A libtpu other than the pinned one may refuse the Mosaic version torchattn serialises."""
+    installed.update(VERIFIED, libtpu="0.0.30")
+    with pytest.warns(UnverifiedVersionsWarning, match=r"libtpu 0\.0\.30"):
+        check_versions()
+
+
 def test_incompatible_torch_pair_raises_naming_both(installed):
     installed.update(VERIFIED, torch="2.10.0")
     with pytest.raises(ImportError, match=r"torch 2\.10\.0 and torch_xla 2\.9\.0"):
@@ -96,12 +103,15 @@ def _pins(requirements: str) -> dict[str, str]:
 
 
 def test_setup_cfg_pins_the_verified_set():
-    """setup.cfg installs exactly the set the import-time check calls verified (libtpu: the tpu extra)."""
+    """setup.cfg installs exactly the set the import-time check calls verified (libtpu: the tpu
+    extra, and the dev extra, whose tests compile for TPU)."""
     config = configparser.ConfigParser()
     assert config.read(pathlib.Path(__file__).parents[1] / "setup.cfg"), "setup.cfg not found"
+    extras = config["options.extras_require"]
     pins = _pins(config["options"]["install_requires"])
-    pins.update(_pins(config["options.extras_require"]["tpu"]))
+    pins.update(_pins(extras["tpu"]))
     assert {name: pins.get(name) for name in VERIFIED} == VERIFIED
+    assert _pins(extras["dev"])["libtpu"] == VERIFIED["libtpu"]
 
 
 def test_pins_parser_reads_names_as_pip_does():

@@ -7,7 +7,9 @@ claim the chip before JAX does) nor torch_xla.
 - Any installed version outside the verified set: one UnverifiedVersionsWarning.
 - torch_xla, jax or jaxlib not installed is fine (plain torch tensors use the
   ``sdpa`` and ``reference`` backends) and is not warned about; neither is a
-  missing libtpu (only TPU VMs have it, from the ``tpu`` extra).
+  missing libtpu (TPU VMs get it from the ``tpu`` extra, developers from ``dev``).
+  An installed libtpu is checked like the rest: the Mosaic kernels torchattn
+  serialises (torchattn/internals.py, MOSAIC_IR_VERSION) are the ones it accepts.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import re
 import warnings
 
 # The matched set the kernels and tests were verified with; setup.cfg pins the same
-# (libtpu in its ``tpu`` extra; tests/test_versions.py compares them).
+# (libtpu in its ``tpu`` and ``dev`` extras; tests/test_versions.py compares them).
 VERIFIED = {"torch": "2.9.0", "torch_xla": "2.9.0", "jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.21"}
 
 

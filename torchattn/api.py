@@ -73,8 +73,11 @@ def flash_attention(
             dropout_p > 0. Same seed, same mask on every backend; see
             :func:`torchattn.dropout_mask`. Pass a new seed each step.
         return_lse: also return the log-sum-exp per query row.
-        block_sizes: kernel tiling, :class:`torchattn.BlockSizes`; default per
-            head_dim and lengths. Blocks longer than the sequence are clamped to it.
+        block_sizes: kernel tiling, :class:`torchattn.BlockSizes`; default per TPU
+            generation (read from the device), head_dim and lengths: see
+            ``BlockSizes.default``. Blocks longer than the sequence are clamped to it.
+            On a TPU, blocks whose kernels do not fit the generation's VMEM raise
+            ValueError naming block sizes that fit.
         backend: "auto", "pallas", "interpret", "xla", "reference" or "sdpa";
             see :func:`explain`.
 

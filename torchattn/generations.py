@@ -48,7 +48,7 @@ GENERATIONS = {
         Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 64 * MiB, 48 * MiB,
                    blocks=(512, 512, 512, 512), blocks_wide_heads=(256, 512, 256, 256)),
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 128 * MiB, 96 * MiB,
-                   blocks=(1024, 1024, 512, 1024), blocks_wide_heads=(1024, 512, 512, 512)),
+                   blocks=(1024, 1024, 512, 1024), blocks_wide_heads=(1024, 512, 512, 1024)),
     )
 }
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+from . import transformers_internals
+
 
 class Route(enum.Enum):
     INTERFACE = "AttentionInterface"  # the model dispatches through transformers' registry
@@ -86,7 +88,7 @@ def lookup(model) -> Family | None:
     name = type(model).__name__
     if model_type in UNSUPPORTED:
         reason = UNSUPPORTED[model_type]
-    elif type(model)._can_set_attn_implementation():
+    elif transformers_internals.dispatches_through_interface(type(model)):
         return None
     else:
         reason = "it writes its own attention instead of dispatching through AttentionInterface"

@@ -18,7 +18,7 @@ import weakref
 import torch
 import transformers
 
-from . import families, options
+from . import families, options, transformers_internals
 
 _checked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _warned: set[str] = set()
@@ -37,7 +37,7 @@ def _check(module: torch.nn.Module, name: str) -> None:
     if not isinstance(module, transformers.PreTrainedModel) or module in _checked:
         return None
     config = module.__dict__.get("config")  # PreTrainedModel.__init__ sets it before any submodule
-    if config is None or config._attn_implementation != name:
+    if config is None or transformers_internals.attn_implementation(config) != name:
         return None
     _checked.add(module)
     if options.is_patched(module):  # patch() already chose how to serve it: a module added later is fine

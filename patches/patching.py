@@ -11,7 +11,7 @@ import warnings
 import torch
 import transformers
 
-from . import families, options
+from . import families, options, transformers_internals
 from .registration import NAME, register
 
 _HANDLE = "_torchattn_patch"  # attribute on the model; not a parameter or buffer, so not in state_dict
@@ -24,7 +24,7 @@ class PatchHandle:
     model: torch.nn.Module
     family: families.Family | None
     options: options.PatchOptions
-    previous: list  # (config, its _attn_implementation_internal before patching)
+    previous: list  # (config, its attention implementation before patching)
     adapted: list  # modules whose forward an adapter replaced
 
     def unpatch(self) -> None:
@@ -50,7 +50,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, block_sizes=None) ->
     register()
     if family is None:
         warnings.warn(families.unverified_message(type(model).__name__), stacklevel=2)
-    previous = [(c, c._attn_implementation_internal) for c in _configs(model.config)]
+    previous = [(c, transformers_internals.attn_implementation(c)) for c in _configs(model.config)]
     adapted = []
     if family is not None and family.route is families.Route.ADAPTER:
         adapter = importlib.import_module(f"patches.adapters.{family.adapter}")
@@ -63,7 +63,7 @@ def patch(model: torch.nn.Module, backend: str = "auto", *, block_sizes=None) ->
         # Every attention module now reads 2-D padding masks, so the model may stop
         # building dense (batch, 1, S, S) ones.
         for config, _ in previous:
-            config._attn_implementation_internal = NAME
+            transformers_internals.set_attn_implementation(config, NAME)
     else:
         model.set_attn_implementation(NAME)
     options.set_for(model, opts)
@@ -80,7 +80,7 @@ def unpatch(model: torch.nn.Module) -> None:
     for module in handle.adapted:
         del module.forward  # the instance attribute; the class's forward shows through again
     for config, implementation in handle.previous:
-        config._attn_implementation_internal = implementation
+        transformers_internals.set_attn_implementation(config, implementation)
     options.set_for(model, None)
     delattr(model, _HANDLE)
 

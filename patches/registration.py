@@ -5,14 +5,16 @@ from __future__ import annotations
 import warnings
 
 import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 from transformers import AttentionInterface, AttentionMaskInterface
 
 from . import loading
 from .attention import torchattn_attention
 from .masks import padding_mask
+from .transformers_internals import VERIFIED_TRANSFORMERS
 
 NAME = "torchattn"  # no "sdpa"/"flash"/"flex" inside: transformers dispatches on those substrings
-VERIFIED_TRANSFORMERS = (">=5.24", "<5.25")  # the range tests/test_patches_*.py ran against
 
 
 class UnverifiedTransformersWarning(UserWarning):
@@ -39,10 +41,10 @@ def register() -> None:
 
 def _check_version(version: str) -> None:
     global _warned
-    major_minor = tuple(int(p) for p in version.split(".")[:2])
-    if major_minor == (5, 24) or _warned:
+    release = Version(Version(version).base_version)  # 5.24.0.dev0 and 5.24.0+local count as 5.24.0
+    if release in SpecifierSet(VERIFIED_TRANSFORMERS) or _warned:
         return
     _warned = True
-    warnings.warn(f"torchattn patches were verified with transformers {','.join(VERIFIED_TRANSFORMERS)}; "
+    warnings.warn(f"torchattn patches were verified with transformers {VERIFIED_TRANSFORMERS}; "
                   f"found {version}. Attention refactors upstream are what breaks patchers: run "
                   "tests/test_patches_*.py before relying on it.", UnverifiedTransformersWarning, stacklevel=3)

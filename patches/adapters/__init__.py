@@ -11,12 +11,12 @@ The contract patches/patching.py relies on, one module per family (named by
   ``unpatch()`` deletes that instance attribute, so the class's own forward shows
   through again. Parameters, buffers and state_dict are never touched.
 
-Because every target module is adapted, ``patch()`` also sets the config's
-``_attn_implementation_internal = "torchattn"``: the model then builds a 2-D
-(batch, kv_len) bool padding mask (or None) with the registered mask function
-(``patches.masks.padding_mask``) instead of a dense (batch, 1, S, S) float one. An adapter
-therefore receives None, a 2-D padding mask, or a caller's own 4-D mask. It
-computes q, k, v the module's way and calls ``_common.attend``, i.e.
+Because every target module is adapted, ``patch()`` also sets the config's attention
+implementation to "torchattn" (``transformers_internals.set_attn_implementation``):
+the model then builds a 2-D (batch, kv_len) bool padding mask (or None) with the
+registered mask function (``patches.masks.padding_mask``) instead of a dense
+(batch, 1, S, S) float one. An adapter therefore receives None, a 2-D padding mask,
+or a caller's own 4-D mask. It computes q, k, v the module's way and calls ``_common.attend``, i.e.
 ``patches.attention.torchattn_attention`` (the function registered with
 AttentionInterface), so both routes share one mask conversion
 (``patches.masks.from_hf``), one options lookup (``options_for(self)``: backend,

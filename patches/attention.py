@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
 import torchattn
 
-from . import masks
+from . import masks, once
 from .options import dropout_seed, options_for
 
 # Arguments some families pass that torchattn has no equivalent for: refused, never dropped.
@@ -87,14 +86,9 @@ def _compute_dtype(module, query, key, value) -> tuple[torch.dtype, str | None]:
     return (query.dtype if linear is None else linear.weight.dtype), None
 
 
-_warned_no_attentions: set[str] = set()
-
-
 def warn_no_attentions(module: str) -> None:
     """Warns once per attention class that ``output_attentions=True`` yields None weights."""
-    if module not in _warned_no_attentions:
-        _warned_no_attentions.add(module)
-        warnings.warn(f"torchattn: {module} was asked for output_attentions, but torchattn never "
-                      "materialises the attention probabilities; returning None in their place "
-                      "(unpatch the model, or load it with attn_implementation='eager', to get them)",
-                      stacklevel=3)
+    once.warn(("no attentions", module),
+              f"torchattn: {module} was asked for output_attentions, but torchattn never "
+              "materialises the attention probabilities; returning None in their place "
+              "(unpatch the model, or load it with attn_implementation='eager', to get them)", stacklevel=3)

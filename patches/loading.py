@@ -12,16 +12,14 @@ The hook costs one ``isinstance`` per submodule registration; forward passes nev
 
 from __future__ import annotations
 
-import warnings
 import weakref
 
 import torch
 import transformers
 
-from . import families, options, transformers_internals
+from . import families, once, options, transformers_internals
 
 _checked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-_warned: set[str] = set()
 _hook = None
 
 
@@ -45,9 +43,7 @@ def _check(module: torch.nn.Module, name: str) -> None:
     family = families.lookup(module)  # raises for unsupported families, with the message patch() gives
     model = type(module).__name__
     if family is None:
-        if model not in _warned:
-            _warned.add(model)
-            warnings.warn(families.unverified_message(model), stacklevel=4)
+        once.warn(("unverified family", model), families.unverified_message(model), stacklevel=4)
         return None
     if family.route is families.Route.ADAPTER:
         raise NotImplementedError(

@@ -10,9 +10,10 @@ All conversions keep static shapes, so a new batch composition never recompiles.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
+
+from . import once
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -71,7 +72,9 @@ def from_hf(attention_mask, *, batch: int, q_len: int, kv_len: int, dtype: torch
             bias = torch.zeros((), dtype=dtype, device=bias.device).masked_fill(~bias, torch.finfo(dtype).min)
         dense = bias.shape[-2] > 1  # a (batch, 1, 1, kv_len) mask is a broadcast bias: no q_len x kv_len memory
         if dense:
-            _warn_dense(model)
+            once.warn(("dense mask", model),
+                      f"torchattn: {model} passed a dense 4-D attention mask, which segment ids cannot "
+                      "express; it is served as a dense additive bias (q_len x kv_len memory)", stacklevel=3)
             return MaskArguments(bias=bias[..., :kv_len], dense=True)
         # A key-padding bias says nothing about documents: LayoutLM builds one even for a
         # packed batch, whose cu_seq_lens_q/k still arrive as kwargs.
@@ -104,13 +107,3 @@ def _ids_from_cu_seq_lens(cu: torch.Tensor, length: int) -> torch.Tensor:
     """[0, 3, 5, 9] -> (1, 9) ids [[0,0,0,1,1,2,2,2,2]]."""
     positions = torch.arange(length, device=cu.device, dtype=cu.dtype)
     return torch.bucketize(positions, cu[1:], right=True).to(torch.int32).view(1, length)
-
-
-_warned_models: set[str] = set()
-
-
-def _warn_dense(model: str) -> None:
-    if model not in _warned_models:
-        _warned_models.add(model)
-        warnings.warn(f"torchattn: {model} passed a dense 4-D attention mask, which segment ids cannot "
-                      "express; it is served as a dense additive bias (q_len x kv_len memory)", stacklevel=4)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import warnings
-
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from . import loading
+from . import loading, once
 from .attention import torchattn_attention
 from .masks import padding_mask
 from .transformers_internals import VERIFIED_TRANSFORMERS
@@ -19,9 +17,6 @@ NAME = "torchattn"  # no "sdpa"/"flash"/"flex" inside: transformers dispatches o
 
 class UnverifiedTransformersWarning(UserWarning):
     """The installed transformers is outside the range the patches were tested with."""
-
-
-_warned = False
 
 
 def register() -> None:
@@ -40,11 +35,10 @@ def register() -> None:
 
 
 def _check_version(version: str) -> None:
-    global _warned
     release = Version(Version(version).base_version)  # 5.24.0.dev0 and 5.24.0+local count as 5.24.0
-    if release in SpecifierSet(VERIFIED_TRANSFORMERS) or _warned:
+    if release in SpecifierSet(VERIFIED_TRANSFORMERS):
         return
-    _warned = True
-    warnings.warn(f"torchattn patches were verified with transformers {VERIFIED_TRANSFORMERS}; "
-                  f"found {version}. Attention refactors upstream are what breaks patchers: run "
-                  "tests/test_patches_*.py before relying on it.", UnverifiedTransformersWarning, stacklevel=3)
+    once.warn(("transformers version",),
+              f"torchattn patches were verified with transformers {VERIFIED_TRANSFORMERS}; found {version}. "
+              "Attention refactors upstream are what breaks patchers: run tests/test_patches_*.py before "
+              "relying on it.", UnverifiedTransformersWarning, stacklevel=3)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import patches
-from patches import masks
+from patches import masks, once
 from patches.attention import torchattn_attention
 
 
@@ -124,12 +124,12 @@ def test_static_cache_mask_shorter_than_keys_slices_the_cache():
                                            0.3), atol=1e-5, rtol=1e-5)
 
 
-def test_dense_mask_is_served_as_bias_with_one_warning():
+def test_dense_mask_is_served_as_bias_with_one_warning(monkeypatch):
     q, k, v = _qkv()
     keep = torch.rand(2, 1, 11, 11, generator=torch.Generator().manual_seed(3)) > 0.3
     keep[..., 0] = True
     module = type("SomeAttention", (torch.nn.Module,), {"is_causal": True})()
-    masks._warned_models.discard("SomeAttention")
+    monkeypatch.setattr(once, "_shown", set())
     with pytest.warns(UserWarning, match="SomeAttention.*dense 4-D attention mask"):
         out, _ = torchattn_attention(module, q, k, v, keep, scaling=0.3)
     with warnings.catch_warnings():

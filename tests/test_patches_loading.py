@@ -83,7 +83,7 @@ def test_from_pretrained_by_name_is_refused_too(family, tmp_path):
 def test_unverified_interface_family_loads_by_name_with_one_warning(monkeypatch):
     """A family that dispatches through AttentionInterface but is not verified loads, with the
     warning patch() gives, once per class however often it is loaded."""
-    monkeypatch.setattr(patches.loading, "_warned", set())
+    monkeypatch.setattr(patches.once, "_shown", set())
     config = dict(_SMALL, num_key_value_heads=1, head_dim=16)
     with pytest.warns(UserWarning, match="Qwen3Model dispatches through AttentionInterface but is not among"):
         transformers.AutoModel.from_config(transformers.Qwen3Config(**config), attn_implementation=patches.NAME)

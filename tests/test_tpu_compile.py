@@ -1,0 +1,184 @@
+"""The kernels compile with the TPU compiler (libtpu's Mosaic and XLA:TPU), not only lower.
+
+libtpu's compile-only client (torchattn.aot) compiles for v4, v5e, v5p and v6e on
+a machine without a TPU, so a kernel that overflows VMEM, or a payload the pinned
+runtime refuses, fails here. The generation x shape sweep is ``slow``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import inspect
+import json
+import re
+
+import pytest
+import torch
+
+from matrix import pairwise_cases
+from numerics import Case
+from torchattn import generations, internals
+from torchattn.config import BlockSizes
+
+jax = pytest.importorskip("jax")
+pytest.importorskip("torch_xla")
+
+import jax._src.tpu_custom_call as tpu_custom_call  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax._src.lib.mlir import ir  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from test_tpu_lowering import LOWERING_MATRIX, _spec as lowering_spec  # noqa: E402
+from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax, device  # noqa: E402
+from torchattn.kernels.forward import forward_call  # noqa: E402
+
+GENERATIONS = sorted(generations.GENERATIONS)
+
+# Shapes as models and the trainer call attention (bfloat16 unless said otherwise).
+SHAPES = {
+    **{f"llama3_8b_{n // 1024}k": Attention(batch=1, q_heads=32, kv_heads=8, q_len=n, kv_len=n,
+                                            head_dim=128, causal=True) for n in (2048, 8192, 32768)},
+    "gemma2_8k": Attention(batch=1, q_heads=16, kv_heads=8, q_len=8192, kv_len=8192, head_dim=256, causal=True,
+                           window=(4096, 0), softcap=50.0),
+    # train/'s bbc-topics recipe: MiniLM, 16 padded rows of 128 tokens (padding as segment ids), float32.
+    "minilm_train": Attention(batch=16, q_heads=12, kv_heads=12, q_len=128, kv_len=128, head_dim=32,
+                              dtype="float32", segments=True),
+    # train/'s sotu-lm recipe: SmolLM2-135M on packed 2048-token rows; its 8 accumulated
+    # micro-batches of 1 row in one call, as a TPU has the memory for.
+    "smollm2_packed": Attention(batch=8, q_heads=9, kv_heads=3, q_len=2048, kv_len=2048, head_dim=64, causal=True,
+                                segments=True),
+    "full_bias": Attention(batch=1, q_heads=8, kv_heads=8, q_len=2048, kv_len=2048, head_dim=128, bias="full"),
+    "dropout": Attention(batch=1, q_heads=16, kv_heads=16, q_len=4096, kv_len=4096, head_dim=128, causal=True,
+                         dropout_p=0.1),
+}
+# Outside the slow sweep: every shape on v5e, one on each other generation.
+QUICK = {("v4", "gemma2_8k"), ("v5p", "smollm2_packed"), ("v6e", "llama3_8b_8k"),
+         *(("v5e", name) for name in SHAPES)}
+SWEEP = [pytest.param(g, name, id=f"{g}-{name}", marks=() if (g, name) in QUICK else pytest.mark.slow)
+         for g in GENERATIONS for name in SHAPES]
+
+
+def _attention(case: Case) -> Attention:
+    return Attention(batch=case.batch, q_heads=case.q_heads, kv_heads=case.kv_heads, q_len=case.q_len,
+                     kv_len=case.kv_len, head_dim=case.head_dim, dtype=str(case.dtype).removeprefix("torch."),
+                     causal=case.causal, window=case.window, segments=case.segments is not None,
+                     softcap=case.softcap, bias=case.bias, dropout_p=case.dropout_p)
+
+
+def _lowering_case(params) -> tuple[Attention, BlockSizes]:
+    """A LOWERING_MATRIX entry (test_tpu_lowering._spec's keywords, its defaults for the rest) as
+    the Attention and blocks it lowers; that _spec's batch is 2."""
+    values = {name: p.default for name, p in inspect.signature(lowering_spec).parameters.items()} | params
+    block_q, block_kv = values.pop("block_q"), values.pop("block_kv")
+    return Attention(batch=2, **values), BlockSizes(block_q, block_kv, block_q, block_kv)
+
+
+def _assert_compiled(compiled, attention: Attention):
+    """Three programs whose HBM arguments and outputs hold at least the tensors of the call."""
+    assert [c.name for c in compiled] == ["forward", "backward_dq", "backward_dkv"]
+    itemsize = getattr(torch, attention.dtype).itemsize
+    q_bytes = attention.batch * attention.q_heads * attention.q_len * attention.head_dim * itemsize
+    kv_bytes = attention.batch * attention.kv_heads * attention.kv_len * attention.head_dim * itemsize
+    forward, dq, dkv = compiled
+    assert forward.argument_bytes >= q_bytes + 2 * kv_bytes  # q, k, v (padded: at least)
+    assert forward.output_bytes >= q_bytes  # out
+    assert dq.argument_bytes >= 2 * q_bytes + 2 * kv_bytes  # q, k, v, do
+    assert dq.output_bytes >= q_bytes  # dq
+    assert dkv.output_bytes >= 2 * kv_bytes  # dk, dv
+
+
+@pytest.mark.parametrize("case", pairwise_cases(), ids=str)
+def test_every_feature_compiles_for_v5e(case):
+    attention = _attention(case)
+    _assert_compiled(compile_attention(attention, "v5e"), attention)
+
+
+@pytest.mark.parametrize("params", [p for p in LOWERING_MATRIX if "block_q" in p],
+                         ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
+def test_explicit_block_sizes_compile_for_v5e(params):
+    attention, blocks = _lowering_case(params)
+    _assert_compiled(compile_attention(attention, "v5e", blocks), attention)
+
+
+@pytest.mark.parametrize("generation,shape", SWEEP)
+def test_model_shapes_compile_with_default_blocks(generation, shape):
+    attention = SHAPES[shape]
+    _assert_compiled(compile_attention(attention, generation), attention)
+
+
+# ---------------------------------------------------------------------------
+# The Mosaic IR version the pallas backend serialises (internals.MOSAIC_IR_VERSION).
+
+SMALL = Attention(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_dim=128, causal=True)
+REFUSAL = re.compile(r"Unsupported version: expected <= (\d+) but got (\d+)")
+
+
+def _mosaic_refusal() -> tuple[int, int] | None:
+    """(newest version libtpu accepts, version given) when it refuses SMALL's kernels; None if they compile."""
+    jax.clear_caches()  # jax reuses a lowering cached at another Mosaic version
+    try:
+        compile_attention(SMALL, "v5e")
+    except Exception as error:  # libtpu raises XlaRuntimeError; anything but a refusal is re-raised
+        found = REFUSAL.search(str(error))
+        if found is None:
+            raise
+        return int(found[1]), int(found[2])
+    finally:
+        jax.clear_caches()  # nor may a later test reuse this lowering
+    return None
+
+
+def test_jax_unpinned_mosaic_version_is_refused_by_the_pinned_libtpu(monkeypatch):
+    """Why the pin exists: left to itself jax serialises a version libtpu 0.0.21 refuses."""
+    monkeypatch.setattr(internals, "pinned_mosaic_version", contextlib.nullcontext)
+    refusal = _mosaic_refusal()
+    if refusal is None:  # jax guessed a version libtpu takes (a TPU VM's older runtime): ask with version 8
+        monkeypatch.setattr(tpu_custom_call, "get_ir_version", lambda ctx: 8)
+        refusal = _mosaic_refusal()
+    assert refusal is not None, "libtpu compiled Mosaic version 8: the pin may be raised"
+    accepted, given = refusal
+    assert internals.MOSAIC_IR_VERSION <= accepted < given
+
+
+def test_pallas_backend_payload_carries_the_pinned_version():
+    """The backend config the pallas backend puts in its tpu_custom_call, decoded."""
+    forward_spec, _ = SMALL.specs(SMALL.default_block_sizes("v5e"), "v5e")
+    structs, _ = argument_structs(forward_spec)
+    signature = tuple((s.shape, getattr(torch, str(s.dtype))) for s in structs)
+    payload = json.loads(internals.mosaic_payload(forward_call(forward_spec), signature))
+    body = base64.b64decode(payload["custom_call_config"]["body"])  # the Mosaic module as MLIR bytecode
+    context = ir.Context()
+    context.allow_unregistered_dialects = True  # Mosaic's dialects are not registered in jax's Python MLIR
+    with context:
+        module = ir.Module.parse(body)
+        assert module.operation.attributes["stable_mosaic.version"].value == internals.MOSAIC_IR_VERSION
+
+
+# ---------------------------------------------------------------------------
+# The generations table against what libtpu reports.
+
+VMEM_SIZE = re.compile(r"would exceed memory \(size=(\d+)\)")
+
+
+def _one_gib_of_vmem(x):
+    """A kernel asking for 1 GiB of VMEM scratch, more than any TPU core has, under a limit that allows it."""
+    def kernel(x_ref, o_ref, scratch_ref):
+        o_ref[...] = x_ref[...] + scratch_ref[:8, :]
+
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.VMEM(((1 << 30) // (128 * 4), 128), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(vmem_limit_bytes=2**31 - 1))(x)
+
+
+@pytest.mark.parametrize("generation", GENERATIONS)
+def test_generation_table_matches_the_compiler(generation):
+    chip = generations.get(generation)
+    assert device(generation).device_kind == chip.device_kind
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
+        compile_jax(_one_gib_of_vmem, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], generation, "vmem_size")
+    found = VMEM_SIZE.search(str(refused.value))
+    assert found, f"no VMEM size in the compiler's error: {refused.value}"
+    assert int(found[1]) == chip.vmem_bytes

@@ -23,6 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .common import (LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs,
                      q_grid_maps)
+from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -148,7 +149,8 @@ def dq_call(spec: KernelSpec, with_ds: bool):
         functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
         spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)], name="torchattn_backward_dq")
+        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)], name="torchattn_backward_dq",
+        cost_estimate=dq_cost(spec, with_ds))
 
 
 @functools.lru_cache(maxsize=None)
@@ -185,4 +187,4 @@ def dkv_call(spec: KernelSpec):
         in_specs=in_specs, out_specs=[pl.BlockSpec((None, None, bkv, d), kv_map)] * 2,
         out_shape=[kv_shape, kv_shape],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
-        name="torchattn_backward_dkv")
+        name="torchattn_backward_dkv", cost_estimate=dkv_cost(spec))

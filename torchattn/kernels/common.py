@@ -183,11 +183,13 @@ def q_grid_mask_specs(spec: KernelSpec) -> list:
     return specs
 
 
-def launcher(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str):
+def launcher(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,
+             cost_estimate: pl.CostEstimate):
     """The jax function ``(seed, *arrays) -> tuple of outputs`` around one pallas_call.
 
     The seed (int32 (1,)) is prefetched into SMEM; the last grid axis is the
-    sequential (accumulating) one.
+    sequential (accumulating) one. ``cost_estimate`` (see :mod:`.cost`) is what
+    XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
     """
     call = pl.pallas_call(
         kernel,
@@ -199,6 +201,7 @@ def launcher(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, 
             vmem_limit_bytes=spec.vmem_limit_bytes),
         interpret=spec.interpret,
         name=name,
+        cost_estimate=cost_estimate,
     )
 
     def run(seed, *arrays):

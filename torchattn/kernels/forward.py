@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .common import LANES, KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
+from .cost import forward_cost
 
 
 def forward_kernel(seed_ref, *refs, spec: KernelSpec):
@@ -89,4 +90,4 @@ def forward_call(spec: KernelSpec):
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running denominator
                         pltpu.VMEM((bq, d), jnp.float32)],  # output accumulator
-        name="torchattn_forward")
+        name="torchattn_forward", cost_estimate=forward_cost(spec))

@@ -1,0 +1,201 @@
+"""What each kernel launch costs, told to XLA as a ``pl.CostEstimate``.
+
+XLA cannot see inside a ``pallas_call``: without an estimate its cost analysis
+counts nothing for the kernel and its scheduler cannot overlap work around it.
+Everything is counted on the host in NumPy from the static :class:`KernelSpec`
+(the block grid is static), for one launch, i.e. over every batch and head:
+
+- flops: matmuls of the (q block, kv block) tiles the kernel does not skip
+  (``KernelSpec.block_may_see``: causal, window and padding skipping; segment
+  ids are data and never skip a tile), ``2 * block_q * block_kv * head_dim``
+  each (head_dim as padded to 128 lanes): forward 2 (q k^T, p v), dq 3 (q k^T,
+  do v^T, ds k), dk/dv 4 (q k^T, do v^T, p^T do, ds^T q). Elementwise work
+  (softmax, masks, bias, dropout) is not counted.
+- transcendentals: per visited tile, exp of every score, and tanh of every
+  score with softcap; the forward also the exp of the rescale factor per row of
+  a visited tile, and the log per query row at the end.
+- bytes_accessed: HBM bytes the Pallas pipeline moves. An input block is
+  fetched at each grid step whose block index differs from the previous step's;
+  a skipped tile's index map points at the nearest visible block of its row (or
+  column, in the dk/dv kernel), so skipping costs no DMA. An output block is
+  written each time its index changes. The bias is float32. Approximations: a
+  row (column) with no visible tile is counted as fetching nothing for it, and
+  the split of parallel grid axes across TensorCores (v4, v5p) is ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from .. import masks
+from ..config import LANES, SUBLANES
+from .common import KernelSpec
+
+_WORD = 4  # bytes of the float32/int32 operands: lse, delta, segment ids, bias, ds
+
+
+def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
+    """Forward kernel (out, lse), grid (batch, q_heads, q_blocks, kv_blocks)."""
+    grid = _Grid.of_q_grid(spec)
+    q_rows, per_row = _q_block_bytes(spec)
+    moved = (grid.q_transfers() * (2 * q_rows + per_row)  # q read, out written; lse written
+             + grid.kv_transfers() * 2 * _kv_block_bytes(spec)  # k, v
+             + _mask_bytes(spec, grid))
+    tiles = grid.tiles_visited()
+    row_exps = spec.block_q * (tiles + spec.batch * spec.q_heads * spec.num_q_blocks)  # rescale per tile, log
+    return _estimate(spec, tiles, matmuls=2, extra_transcendentals=row_exps, bytes_accessed=moved)
+
+
+def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
+    """dq kernel, grid (batch, q_heads, q_blocks, kv_blocks); ``with_ds``: also the score gradient ds."""
+    grid = _Grid.of_q_grid(spec)
+    q_rows, per_row = _q_block_bytes(spec)
+    moved = (grid.q_transfers() * (3 * q_rows + 2 * per_row)  # q, do, lse, delta read; dq written
+             + grid.kv_transfers() * 2 * _kv_block_bytes(spec)  # k, v
+             + _mask_bytes(spec, grid))
+    if with_ds:  # written for every tile, skipped ones as zeros
+        all_tiles = spec.batch * spec.q_heads * spec.num_q_blocks * spec.num_kv_blocks
+        moved += all_tiles * spec.block_q * spec.block_kv * _WORD
+    return _estimate(spec, grid.tiles_visited(), matmuls=3, extra_transcendentals=0, bytes_accessed=moved)
+
+
+def dkv_cost(spec: KernelSpec) -> pl.CostEstimate:
+    """dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks)."""
+    grid = _Grid.of_kv_grid(spec)
+    q_rows, per_row = _q_block_bytes(spec)
+    moved = (grid.q_transfers() * (2 * q_rows + 2 * per_row)  # q, do, lse, delta
+             + grid.kv_transfers() * 4 * _kv_block_bytes(spec)  # k, v read; dk, dv written
+             + _mask_bytes(spec, grid))
+    return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0, bytes_accessed=moved)
+
+
+def _visible_tiles(spec: KernelSpec) -> np.ndarray:
+    """bool (q_blocks, kv_blocks): the tiles the kernels compute (``KernelSpec.block_may_see``).
+
+    In NumPy: the spec's own version is jax, and jax must not run ops on the
+    host next to torch_xla (on a TPU VM it would try to open the TPU).
+    """
+    q_start = np.arange(spec.num_q_blocks)[:, None] * spec.block_q
+    kv_start = np.arange(spec.num_kv_blocks)[None, :] * spec.block_kv
+    q_stop = np.minimum(q_start + spec.block_q, spec.q_len)
+    may = (q_start < spec.q_len) & masks.block_may_see(
+        q_start, q_stop, kv_start, kv_start + spec.block_kv,
+        q_len=spec.q_len, kv_len=spec.kv_len, left=spec.left, right=spec.right)
+    return np.broadcast_to(may, (spec.num_q_blocks, spec.num_kv_blocks))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+    """The order a kernel walks its grid in: ``slices`` outer (batch, head) slices, each the same inner steps.
+
+    Per slice: ``batch``, ``head`` (query head; kv head in the dk/dv grid) and
+    ``kv_head``. Per step: ``group`` (query head within its kv head's group in
+    the dk/dv grid, else 0), the ``q_block`` and ``kv_block`` the index maps
+    fetch, and whether the tile is ``visible``.
+    """
+
+    batch: np.ndarray
+    head: np.ndarray
+    kv_head: np.ndarray
+    group: np.ndarray
+    q_block: np.ndarray
+    kv_block: np.ndarray
+    visible: np.ndarray
+
+    @classmethod
+    def of_q_grid(cls, spec: KernelSpec) -> "_Grid":
+        """(batch, q_heads, q_blocks, kv_blocks): kv blocks of skipped tiles are clamped."""
+        visible = _visible_tiles(spec)
+        batch, head = (a.ravel() for a in np.indices((spec.batch, spec.q_heads)))
+        q_block, kv_block = (a.ravel() for a in np.indices(visible.shape))
+        return cls(batch=batch, head=head, kv_head=head // spec.groups, group=np.zeros_like(q_block),
+                   q_block=q_block, kv_block=_clamped_to_visible(visible)[q_block, kv_block],
+                   visible=visible.ravel())
+
+    @classmethod
+    def of_kv_grid(cls, spec: KernelSpec) -> "_Grid":
+        """(batch, kv_heads, kv_blocks, groups * q_blocks): q blocks of skipped tiles are clamped."""
+        visible = _visible_tiles(spec).T  # (kv_blocks, q_blocks)
+        batch, kv_head = (a.ravel() for a in np.indices((spec.batch, spec.kv_heads)))
+        kv_block, group, q_block = (a.ravel() for a in np.indices((spec.num_kv_blocks, spec.groups,
+                                                                   spec.num_q_blocks)))
+        return cls(batch=batch, head=kv_head, kv_head=kv_head, group=group,
+                   q_block=_clamped_to_visible(visible)[kv_block, q_block], kv_block=kv_block,
+                   visible=visible[kv_block, q_block])
+
+    def tiles_visited(self) -> int:
+        return len(self.batch) * int(self.visible.sum())
+
+    def q_transfers(self) -> int:
+        """Blocks moved of an operand indexed like q: (batch, query head, q block)."""
+        return self.transfers([self.batch, self.head], [self.group, self.q_block])
+
+    def kv_transfers(self) -> int:
+        """Blocks moved of an operand indexed like k: (batch, kv head, kv block)."""
+        return self.transfers([self.batch, self.kv_head], [self.kv_block])
+
+    def transfers(self, outer: list, inner: list) -> int:
+        """Blocks moved of an operand whose block index is ``outer`` (per slice) and ``inner`` (per step) arrays.
+
+        One at the first step, and one at every step where the index changes:
+        within a slice, and across the boundary of two slices.
+        """
+        slices, steps = len(self.batch), len(self.visible)
+        inner_changes = int(_changes(inner, steps).sum())
+        wraps = any(a[0] != a[-1] for a in inner)  # a new slice starts at another inner index
+        boundaries = int((_changes(outer, slices) | wraps).sum())
+        return 1 + slices * inner_changes + boundaries
+
+
+def _changes(arrays: list, length: int) -> np.ndarray:
+    """bool (length - 1,): where any of ``arrays`` differs from its previous element."""
+    changed = np.zeros(length - 1, bool)
+    for a in arrays:
+        changed |= a[1:] != a[:-1]
+    return changed
+
+
+def _clamped_to_visible(visible: np.ndarray) -> np.ndarray:
+    """Per tile, the block along the last axis its index map fetches: itself when visible, else the nearest
+    visible one of its row (the kernels' ``clamp_*_block``; visible tiles of a row are contiguous)."""
+    seen = visible.any(axis=1)
+    first = np.where(seen, visible.argmax(axis=1), 0)
+    last = np.where(seen, visible.shape[1] - 1 - visible[:, ::-1].argmax(axis=1), 0)
+    return np.clip(np.arange(visible.shape[1])[None, :], first[:, None], last[:, None])
+
+
+def _q_block_bytes(spec: KernelSpec) -> tuple[int, int]:
+    """Bytes of a (block_q, head_dim) block and of a lane-broadcast per-row (block_q, 128) float32 block."""
+    return spec.block_q * spec.head_dim * jnp.dtype(spec.dtype).itemsize, spec.block_q * LANES * _WORD
+
+
+def _kv_block_bytes(spec: KernelSpec) -> int:
+    return spec.block_kv * spec.head_dim * jnp.dtype(spec.dtype).itemsize
+
+
+def _mask_bytes(spec: KernelSpec, grid: _Grid) -> int:
+    """Segment ids (q: (block_q, 128), kv: (8, block_kv) int32) and the bias, broadcast dims read once."""
+    moved = 0
+    if spec.has_segments:
+        moved += (grid.transfers([grid.batch], [grid.q_block]) * spec.block_q * LANES
+                  + grid.transfers([grid.batch], [grid.kv_block]) * SUBLANES * spec.block_kv) * _WORD
+    if spec.bias_shape is not None:
+        bias_batch, bias_heads, bias_q, bias_kv = (size > 1 for size in spec.bias_shape)
+        outer = [grid.batch] * bias_batch + [grid.head] * bias_heads
+        inner = [grid.group] * bias_heads + [grid.q_block] * bias_q + [grid.kv_block] * bias_kv
+        rows, cols = spec.bias_block(spec.block_q, spec.block_kv)[2:]
+        moved += grid.transfers(outer, inner) * rows * cols * _WORD
+    return moved
+
+
+def _estimate(spec: KernelSpec, tiles: int, *, matmuls: int, extra_transcendentals: int,
+              bytes_accessed: int) -> pl.CostEstimate:
+    tile = spec.block_q * spec.block_kv
+    per_score = 2 if spec.softcap is not None else 1  # exp, and tanh with softcap
+    return pl.CostEstimate(flops=int(tiles * matmuls * 2 * tile * spec.head_dim),
+                           transcendentals=int(tiles * tile * per_score + extra_transcendentals),
+                           bytes_accessed=int(bytes_accessed))

@@ -1,0 +1,129 @@
+"""``python -m torchattn.aot``: the command compiles with libtpu's compiler, prints one row per kernel,
+and exits 1 (compiler's reason) or 2 (bad flag) as documented."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchattn import generations
+from torchattn.aot.__main__ import main, parse_args
+from torchattn.config import BlockSizes
+
+pytest.importorskip("libtpu", reason="compiling for TPU needs the libtpu wheel (dev extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = ["forward", "backward_dq", "backward_dkv"]
+LLAMA_8K = ["--batch", "1", "--q-heads", "32", "--kv-heads", "8", "--seq-len", "8192", "--head-dim", "128",
+            "--causal", "--dtype", "bfloat16"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    return subprocess.run([sys.executable, "-m", "torchattn.aot", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def table(stdout: str) -> list[dict[str, str]]:
+    """The printed table as one dict per row, keyed by the header's column names."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("generation "))
+    header = lines[start].split()
+    return [dict(zip(header, line.split())) for line in lines[start + 1:] if line.strip()]
+
+
+def expected_blocks(blocks: BlockSizes) -> dict[str, tuple[str, str]]:
+    backward = (str(blocks.block_q_bwd), str(blocks.block_kv_bwd))
+    return {"forward": (str(blocks.block_q), str(blocks.block_kv)), "backward_dq": backward,
+            "backward_dkv": backward}
+
+
+def test_example_command_prints_each_kernel_with_default_blocks_and_hbm():
+    result = run_cli("--generation", "v5e", *LLAMA_8K)
+    assert result.returncode == 0, result.stderr
+    rows = table(result.stdout)
+    assert [row["kernel"] for row in rows] == KERNELS
+    blocks = expected_blocks(BlockSizes.default(8192, 8192, 128, "v5e"))
+    assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows} == blocks
+    for row in rows:
+        assert float(row["hbm_args_MiB"]) > 0 and float(row["hbm_out_MiB"]) > 0, row
+        assert float(row["vmem_limit_MiB"]) * 2**20 == generations.get("v5e").usable_vmem_bytes
+        assert 0 < float(row["vmem_est_MiB"]) < float(row["vmem_limit_MiB"]), row
+    # The forward's arguments are the int32 seed, q (32 heads) and k, v (8 heads): 8192 x 128 bf16 each.
+    head_bytes = 8192 * 128 * 2
+    assert float(rows[0]["hbm_args_MiB"]) == pytest.approx((4 + (32 + 8 + 8) * head_bytes) / 2**20, abs=0.05)
+
+
+def test_every_feature_flag_compiles():
+    result = run_cli("--generation", "v5e", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                     "--seq-len", "700", "--kv-len", "1000", "--window", "128,0", "--softcap", "30",
+                     "--segments", "--bias", "broadcast", "--dropout", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert "window=(128, 0), softcap=30.0, segments=True, bias=broadcast, dropout=0.1" in result.stdout
+    rows = table(result.stdout)
+    assert [row["kernel"] for row in rows] == KERNELS
+    blocks = expected_blocks(BlockSizes.default(700, 1000, 64, "v5e"))
+    assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows} == blocks
+
+
+def test_generation_all_takes_each_generations_defaults_under_the_given_blocks():
+    result = run_cli("--generation", "all", "--q-heads", "2", "--head-dim", "128", "--seq-len", "512",
+                     "--block-kv-bwd", "128")
+    assert result.returncode == 0, result.stderr
+    rows = table(result.stdout)
+    assert [(row["generation"], row["kernel"]) for row in rows] == [
+        (name, kernel) for name in generations.GENERATIONS for kernel in KERNELS]
+    for name in generations.GENERATIONS:
+        defaults = BlockSizes.default(512, 512, 128, name)
+        blocks = expected_blocks(BlockSizes(defaults.block_q, defaults.block_kv, defaults.block_q_bwd, 128))
+        assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows if row["generation"] == name} \
+            == blocks, name
+
+
+def assert_one_line_failure(result: subprocess.CompletedProcess, *words: str) -> None:
+    assert result.returncode == 1, result.stdout
+    assert "generation" not in result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+
+
+def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason():
+    result = run_cli("--generation", "v4", *LLAMA_8K, "--block-q", "2048", "--block-kv", "1024")
+    assert_one_line_failure(result, "v4", "VMEM")
+
+
+def test_sequence_too_long_for_hbm_exit_1_with_the_compilers_reason():
+    """3 * 2**17 tokens: the backward kernels' arguments alone need 19.5 GiB; a v5e chip has 16."""
+    result = run_cli("--generation", "v5e", *LLAMA_8K, f"--seq-len={3 * 2**17}")
+    assert_one_line_failure(result, "v5e", "RESOURCE_EXHAUSTED", "memory space hbm")
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--generation", "v9", "invalid choice"),
+    ("--window", "x", "LEFT,RIGHT"),
+    ("--window", "1,2,3", "LEFT,RIGHT"),
+    ("--block-kv", "100", "multiple of 128"),
+    ("--block-q-bwd", "12", "multiple of 8"),
+    ("--kv-heads", "5", "divisor of --q-heads"),
+    ("--dropout", "1", "[0, 1)"),
+    ("--softcap", "-1.5", "positive"),
+    ("--seq-len", "0", "positive integer"),
+])
+def test_bad_arguments_exit_2_naming_the_flag(flag, value, says, capsys):
+    argv = ["--generation", "v5e", "--q-heads", "32", "--seq-len", "64", "--head-dim", "64"]
+    with pytest.raises(SystemExit) as exit_:
+        main([*argv, f"{flag}={value}"])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in error and says in error, error
+
+
+@pytest.mark.parametrize("text, window", [("128,0", (128, 0)), (",0", (None, 0)), ("4096,", (4096, None)),
+                                          ("None,16", (None, 16)), (",", (None, None))])
+def test_window_sides_may_be_unbounded(text, window):
+    args = parse_args(["--generation", "v5e", "--q-heads", "2", "--seq-len", "64", "--head-dim", "64",
+                       f"--window={text}"])
+    assert args.window == window

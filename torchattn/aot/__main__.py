@@ -1,0 +1,184 @@
+"""``python -m torchattn.aot``: compile torchattn's kernels for a TPU generation, no TPU needed.
+
+    python -m torchattn.aot --generation v5e --batch 1 --q-heads 32 --kv-heads 8 \\
+        --seq-len 8192 --head-dim 128 --causal --dtype bfloat16
+
+compiles the forward, dq and dk/dv kernels with libtpu's compiler and prints one row
+per kernel: block sizes, compile time, VMEM, HBM per call, FLOPs. Exit status 0 when
+every kernel compiles, 1 when one does not fit or compile (the reason, one line, on
+stderr), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+
+from .. import generations
+from ..config import LANES, SUBLANES, BlockSizes
+from ..kernels import vmem
+from .attention import BIAS_KINDS, Attention, compile_attention
+
+MiB = 1 << 20
+BLOCK_FLAGS = {"block_q": SUBLANES, "block_kv": LANES, "block_q_bwd": SUBLANES, "block_kv_bwd": LANES}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m torchattn.aot", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generation", required=True, choices=[*generations.GENERATIONS, "all"],
+                        help="TPU generation to compile for; 'all' compiles for each")
+    shape = parser.add_argument_group("shapes")
+    shape.add_argument("--batch", type=_positive_int(), default=1)
+    shape.add_argument("--q-heads", type=_positive_int(), required=True)
+    shape.add_argument("--kv-heads", type=_positive_int(), help="default: --q-heads (a divisor of it: GQA)")
+    shape.add_argument("--seq-len", type=_positive_int(), required=True, help="query length")
+    shape.add_argument("--kv-len", type=_positive_int(), help="key/value length; default: --seq-len")
+    shape.add_argument("--head-dim", type=_positive_int(), required=True)
+    shape.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    features = parser.add_argument_group("features")
+    features.add_argument("--causal", action="store_true")
+    features.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+                          help="sliding window around the diagonal; an empty side is unbounded (e.g. 4096,0)")
+    features.add_argument("--softcap", type=_float_where(lambda x: 0 < x < math.inf, "a positive number"),
+                          help="logits -> softcap * tanh(logits / softcap)")
+    features.add_argument("--segments", action="store_true", help="segment ids (packed documents)")
+    features.add_argument("--bias", choices=[kind for kind in BIAS_KINDS if kind],
+                          help="full: (batch, q_heads, seq_len, kv_len); broadcast: (1, q_heads, 1, kv_len)")
+    features.add_argument("--dropout", type=_float_where(lambda p: 0 <= p < 1, "a probability in [0, 1)"),
+                          default=0.0, metavar="P", help="attention dropout probability")
+    blocks = parser.add_argument_group("block sizes", "any subset; the others take the generation's default")
+    for name, multiple in BLOCK_FLAGS.items():
+        blocks.add_argument("--" + name.replace("_", "-"), type=_positive_int(multiple),
+                            help=f"a multiple of {multiple}")
+    args = parser.parse_args(argv)
+    if args.kv_heads is None:
+        args.kv_heads = args.q_heads
+    if args.q_heads % args.kv_heads:
+        parser.error(f"argument --kv-heads: expected a divisor of --q-heads ({args.q_heads}), got {args.kv_heads}")
+    return args
+
+
+def _positive_int(multiple: int = 1):
+    """argparse type: a positive integer, a multiple of ``multiple``."""
+    expected = "a positive integer" if multiple == 1 else f"a positive multiple of {multiple}"
+
+    def parse(text: str) -> int:
+        if not text.isdecimal() or int(text) == 0 or int(text) % multiple:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return int(text)
+    return parse
+
+
+def _float_where(accept, expected: str):
+    """argparse type: a float for which ``accept`` holds (NaN and unparsable text are refused)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+    return parse
+
+
+def _window(text: str) -> tuple[int | None, int | None]:
+    sides = text.split(",")
+    if len(sides) != 2 or not all(side in ("", "None") or side.isdecimal() for side in sides):
+        raise argparse.ArgumentTypeError(
+            f"expected LEFT,RIGHT, each an integer >= 0 or empty/None (unbounded), got {text!r}")
+    left, right = (int(side) if side.isdecimal() else None for side in sides)
+    return left, right
+
+
+def attention_from(args: argparse.Namespace) -> Attention:
+    return Attention(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads, q_len=args.seq_len,
+                     kv_len=args.kv_len or args.seq_len, head_dim=args.head_dim, dtype=args.dtype,
+                     causal=args.causal, window=args.window, softcap=args.softcap, segments=args.segments,
+                     bias=args.bias, dropout_p=args.dropout)
+
+
+def block_sizes(args: argparse.Namespace, attention: Attention, generation: str) -> BlockSizes:
+    """The given block flags over the generation's defaults, clamped to the lengths as a call clamps them."""
+    given = {name: getattr(args, name) for name in BLOCK_FLAGS if getattr(args, name) is not None}
+    blocks = dataclasses.replace(attention.default_block_sizes(generation), **given)
+    return blocks.clamped(attention.q_len, attention.kv_len)
+
+
+def describe(attention: Attention) -> str:
+    features = [f"causal={attention.causal}", f"window={attention.window}", f"softcap={attention.softcap}",
+                f"segments={attention.segments}", f"bias={attention.bias}", f"dropout={attention.dropout_p}"]
+    return (f"batch {attention.batch}, q_heads {attention.q_heads}, kv_heads {attention.kv_heads}, "
+            f"seq_len {attention.q_len}, kv_len {attention.kv_len}, head_dim {attention.head_dim}, "
+            f"{attention.dtype}; " + ", ".join(features))
+
+
+def vmem_estimates(attention: Attention, blocks: BlockSizes) -> dict[str, int]:
+    """torchattn's estimate of each kernel's VMEM (kernels/vmem.py): the compiler reports VMEM only
+    when a kernel runs out of it."""
+    bias = {None: None, "full": (attention.q_len, attention.kv_len), "broadcast": (1, attention.kv_len)}
+    operands = vmem.Operands(head_dim=attention.head_dim, dtype=attention.dtype, segments=attention.segments,
+                             bias=bias[attention.bias], bias_grad=attention.bias is not None)
+    return vmem.needs(operands, blocks)
+
+
+def rows(generation: str, blocks: BlockSizes, estimates: dict[str, int], compiled: list) -> list[list[str]]:
+    """One table row per compiled kernel (forward, backward_dq, backward_dkv)."""
+    vmem_limit = generations.get(generation).usable_vmem_bytes
+    forward, backward = (blocks.block_q, blocks.block_kv), (blocks.block_q_bwd, blocks.block_kv_bwd)
+    out = []
+    for kernel in compiled:
+        block_q, block_kv = forward if kernel.name == "forward" else backward
+        mib = [vmem_limit, estimates[kernel.name], kernel.argument_bytes, kernel.output_bytes, kernel.temp_bytes]
+        out.append([generation, kernel.name, str(block_q), str(block_kv), f"{kernel.seconds:.1f}",
+                    *(f"{n / MiB:.1f}" for n in mib), f"{kernel.flops / 1e9:.1f}"])
+    return out
+
+
+HEADER = ["generation", "kernel", "block_q", "block_kv", "compile_s", "vmem_limit_MiB", "vmem_est_MiB",
+          "hbm_args_MiB", "hbm_out_MiB", "hbm_temp_MiB", "GFLOP"]
+
+
+def format_table(header: list[str], body: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    return "\n".join("  ".join(cell.rjust(width) if i > 1 else cell.ljust(width)
+                               for i, (cell, width) in enumerate(zip(row, widths))).rstrip()
+                     for row in [header, *body])
+
+
+def first_line(error: Exception) -> str:
+    """The line of a compiler error that says what went wrong (the rest lists allocations or IR)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    attention = attention_from(args)
+    # libtpu reads a TPU VM's host layout at start-up and logs errors when there is none; compiling
+    # needs none: describe this one host, so that stderr holds only the compiler's reasons.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+    names = list(generations.GENERATIONS) if args.generation == "all" else [args.generation]
+    body, failures = [], []
+    for generation in names:
+        blocks = block_sizes(args, attention, generation)
+        try:
+            body += rows(generation, blocks, vmem_estimates(attention, blocks),
+                         compile_attention(attention, generation, blocks))
+        except (RuntimeError, ValueError) as error:  # XlaRuntimeError is a RuntimeError
+            failures.append(f"torchattn.aot: {generation} with {blocks} does not compile: {first_line(error)}")
+    if body:
+        print(describe(attention))
+        print(format_table(HEADER, body))
+    for failure in failures:
+        print(failure, file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

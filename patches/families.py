@@ -1,8 +1,8 @@
 """Which model families the patches serve, how, and which they cannot serve and why.
 
 ``VERIFIED`` is also the test matrix: tests/test_patches_families.py runs every
-entry (logits and every parameter gradient against eager, padded and packed),
-and ``python -m patches --list`` prints this table.
+entry (last hidden states and every parameter gradient against eager, padded and
+packed), and ``python -m patches --list`` prints this table.
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ class Family:
     features: tuple[str, ...]
     adapter: str | None = None  # module in patches/adapters/
     not_served: tuple[str, ...] = ()  # "what: why" for inputs the family cannot be served (printed by --list)
-
-    @property
-    def status(self) -> str:
-        return "verified"
 
 
 VERIFIED = (
@@ -103,7 +99,7 @@ def unverified_message(model: str) -> str:
 
 def table() -> str:
     rows = [("family", "model_type", "route", "status", "attention features")]
-    rows += [(f.name, f.model_type, f.route.value, f.status,
+    rows += [(f.name, f.model_type, f.route.value, "verified",
               "; ".join([", ".join(f.features), *(f"not served: {n}" for n in f.not_served)])) for f in VERIFIED]
     rows += [(t, t, "-", "unsupported", reason) for t, reason in UNSUPPORTED.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

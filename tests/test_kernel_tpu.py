@@ -1,6 +1,7 @@
 """The same matrix on a real TPU with the compiled ``pallas`` backend (skipped elsewhere).
 
-Run on a TPU VM with ``PJRT_DEVICE=TPU bash scripts/test.sh -m tpu``.
+Run on a TPU VM with ``PJRT_DEVICE=TPU TORCHATTN_EXTRAS=tpu,dev bash scripts/test.sh -m tpu``
+(the ``tpu`` extra installs libtpu, the TPU runtime).
 """
 
 from __future__ import annotations
@@ -14,7 +15,5 @@ pytestmark = pytest.mark.tpu
 
 
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
-def test_pallas_matches_reference_forward_and_backward(case):
-    import torch_xla
-
-    check_backend(case, "pallas", device=torch_xla.device())
+def test_pallas_matches_reference_forward_and_backward(case, device):
+    check_backend(case, "pallas", device=device)

@@ -116,6 +116,17 @@ def _sync(t: torch.Tensor):
         torch_xla.sync()
 
 
+GRADIENTS = ("dq", "dk", "dv", "dbias")  # of q, k, v, bias: flash_attention's argument order
+
+
+def named(out: torch.Tensor, grads=()) -> dict[str, torch.Tensor]:
+    """{"out": out, "dq": ..., "dk": ..., "dv": ...}, plus "dbias" when ``grads`` holds a fourth
+    (the gradients of q, k, v[, bias], in that order)."""
+    if len(grads) not in (0, 3, 4):
+        raise ValueError(f"grads: expected those of (q, k, v) or (q, k, v, bias), got {len(grads)}")
+    return {"out": out, **dict(zip(GRADIENTS, grads))}
+
+
 def _grads(fn, q, k, v, do, bias):
     leaves = [t for t in (q, k, v, bias) if t is not None]
     out = fn()
@@ -133,13 +144,19 @@ def exact_from(q, k, v, bias=None, **kwargs):
     return attention_reference(*wide, bias=None if bias is None else bias.double(), upcast=True, **kwargs)[0]
 
 
-def results(case: Case, attention, device=None, seed: int = 0, grads: bool = True):
-    """(names, exact, baseline, rounded, got): lists of float64 CPU tensors, out then each gradient.
+@dataclasses.dataclass(frozen=True)
+class Results:
+    """One case run four ways; each maps "out", "dq", "dk", "dv" (and "dbias" with a bias, no
+    gradients with ``grads=False``) to a float64 CPU tensor (see :func:`named`)."""
 
-    exact: the float64 reference; baseline: the dense reference computed in the case's
-    dtype; rounded: float64 math on the inputs rounded to the case's dtype, the results
-    rounded to it; got: ``attention`` (flash_attention's signature) on ``device``.
-    """
+    exact: dict  # the float64 reference
+    baseline: dict  # the dense reference computed in the case's dtype
+    rounded: dict  # float64 math on the inputs rounded to the case's dtype, the results rounded to it
+    got: dict  # ``attention`` (flash_attention's signature) on the device
+
+
+def results(case: Case, attention, device=None, seed: int = 0, grads: bool = True) -> Results:
+    """Runs ``case`` the four ways of :class:`Results`; ``attention`` on ``device``."""
     q, k, v, do, kwargs = make_inputs(case, seed)
 
     def run(fn_device, dtype, fn):
@@ -157,25 +174,23 @@ def results(case: Case, attention, device=None, seed: int = 0, grads: bool = Tru
             with torch.no_grad():
                 out = fn(*args, **kw)
             _sync(out)
-            return [out.cpu().double()]
+            return named(out.cpu().double())
         out, gs = _grads(lambda: fn(*args, **kw), *args, do.to(fn_device, dtype), bias)
         _sync(out)
-        return [out.cpu().double()] + [g.cpu().double() for g in gs]
+        return named(out.cpu().double(), [g.cpu().double() for g in gs])
 
     def ref(q_, k_, v_, upcast, **kw):
         return attention_reference(q_, k_, v_, upcast=upcast, **kw)[0]
 
-    exact = run("cpu", torch.float64, lambda *a, **kw: ref(*a, upcast=True, **kw))
-    base = run("cpu", case.dtype, lambda *a, **kw: ref(*a, upcast=False, **kw))
-    rounded = run("cpu", case.dtype, lambda *a, **kw: exact_from(*a, **kw).to(case.dtype))
-    got = run(device or "cpu", case.dtype, attention)
-    names = ["out", "dq", "dk", "dv", "dbias"][: len(exact)]
-    return names, exact, base, rounded, got
+    return Results(exact=run("cpu", torch.float64, lambda *a, **kw: ref(*a, upcast=True, **kw)),
+                   baseline=run("cpu", case.dtype, lambda *a, **kw: ref(*a, upcast=False, **kw)),
+                   rounded=run("cpu", case.dtype, lambda *a, **kw: exact_from(*a, **kw).to(case.dtype)),
+                   got=run(device or "cpu", case.dtype, attention))
 
 
 def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: bool = True, attention=None,
                   float32_compute: bool | None = None):
-    """Runs ``case`` on ``backend`` and asserts the error rules; returns the errors.
+    """Runs ``case`` on ``backend`` and asserts the error rules; returns {"out"/"dq"/...: max error}.
 
     attention: a stand-in for ``flash_attention(..., backend=backend)`` with the same signature,
         to show that the rules reject results known to be wrong (tests/test_numerics_checker.py).
@@ -188,10 +203,11 @@ def check_backend(case: Case, backend: str, device=None, seed: int = 0, grads: b
     if float32_compute is None:
         float32_compute = backend in FLOAT32_COMPUTE
     sharp = float32_compute and torch.finfo(case.dtype).bits < 32
-    names, exacts, bases, roundeds, gots = results(case, attention, device, seed, grads)
-    case_magnitude = max([t.abs().max().item() for t in exacts] + [1e-3])
+    runs = results(case, attention, device, seed, grads)
+    case_magnitude = max([t.abs().max().item() for t in runs.exact.values()] + [1e-3])
     errors = {}
-    for name, exact, base, rounded, got in zip(names, exacts, bases, roundeds, gots):
+    for name, exact in runs.exact.items():
+        base, rounded, got = runs.baseline[name], runs.rounded[name], runs.got[name]
         mult = 2 if name == "out" else 3
         assert got.shape == exact.shape, f"{name}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
         assert torch.isfinite(got).all(), f"{name}: non-finite values for {case} on {backend}"

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torchattn
+from numerics import GRADIENTS
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -43,7 +44,7 @@ def test_xla_backend_float64_forward_lse_and_every_gradient(device):
     torch.testing.assert_close(got_out.cpu(), want_out, **TOL)
     torch.testing.assert_close(got_lse.cpu(), want_lse, **TOL)
     errors = {}
-    for name, got, want in zip(["dq", "dk", "dv", "dbias"], got_grads, want_grads):
+    for name, got, want in zip(GRADIENTS, got_grads, want_grads):
         assert got.dtype == torch.float64, name
         errors[name] = (got.cpu() - want).abs().max().item()
         torch.testing.assert_close(got.cpu(), want, **TOL, msg=name)

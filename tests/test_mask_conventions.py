@@ -10,6 +10,7 @@ import torch
 
 import brute_force
 import torchattn
+from numerics import named
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -41,7 +42,7 @@ def _run(fn, tensors, kwargs, where, dtype):
     grads = torch.autograd.grad(out, leaves, weights)
     if out.device.type == "xla":
         torch_xla.sync()  # one graph for all results; .cpu() one by one would compile one each
-    return [t.cpu().double() for t in (out.detach(), *grads)]
+    return named(out.detach().cpu().double(), [g.cpu().double() for g in grads])
 
 
 def test_brute_force_reproduces_the_docstring_example():
@@ -85,5 +86,6 @@ def test_backend_matches_brute_force(backend, name, device):
     where = "cpu" if backend == "reference" else device
     got = _run(lambda *a, **kw: torchattn.flash_attention(*a, backend=backend, **kw), tensors, kwargs, where, dtype)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-10)
-    for label, g, w in zip(["out", "dq", "dk", "dv", "dbias"], got, want):
-        torch.testing.assert_close(g, w, **tol, msg=f"{label} on {backend}")
+    assert got.keys() == want.keys()
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, **tol, msg=f"{name} on {backend}")

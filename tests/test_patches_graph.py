@@ -37,8 +37,7 @@ DENSE_BY_DESIGN = {
 }
 
 
-def _forward_backward_hlo(family: str, patch: bool = True) -> str:
-    device = torch_xla.device()
+def _forward_backward_hlo(family: str, device, patch: bool = True) -> str:
     model = H.build(family).to(device)
     if patch:
         patches.patch(model, "xla", block_sizes=BLOCKS)
@@ -52,8 +51,8 @@ def _forward_backward_hlo(family: str, patch: bool = True) -> str:
 
 
 @pytest.mark.parametrize("family", [f.name for f in patches.VERIFIED])
-def test_patched_forward_and_backward_hold_no_square_array(family):
-    hlo = _forward_backward_hlo(family)
+def test_patched_forward_and_backward_hold_no_square_array(family, device):
+    hlo = _forward_backward_hlo(family, device)
     if family in DENSE_BY_DESIGN:
         with pytest.raises(AssertionError, match=f"{S}x{S}"):
             assert_no_square(hlo, S)
@@ -61,10 +60,10 @@ def test_patched_forward_and_backward_hold_no_square_array(family):
         assert_no_square(hlo, S)
 
 
-def test_the_unpatched_model_holds_the_square_array():
+def test_the_unpatched_model_holds_the_square_array(device):
     """The check sees the score matrix of the model's own eager attention."""
     with pytest.raises(AssertionError, match=f"{S}x{S}"):
-        assert_no_square(_forward_backward_hlo("Llama", patch=False), S)
+        assert_no_square(_forward_backward_hlo("Llama", device, patch=False), S)
 
 
 def test_the_dense_exceptions_are_verified_families():

@@ -45,17 +45,13 @@ def _step(model, batch, weights, autocast_device):
 
 @pytest.mark.parametrize("device_type,backend", [("cpu", "reference"), ("cpu", "sdpa"), ("xla", "xla"),
                                                 ("xla", "interpret")])
-def test_training_step_under_bf16_autocast_matches_eager(device_type, backend):
+def test_training_step_under_bf16_autocast_matches_eager(device_type, backend, device):
     batch = H.padded_batch("Llama", SEQ)
     weights = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(3))
     exact = _step(H.build("Llama"), batch, weights, None)
     eager = _step(H.build("Llama"), batch, weights, "cpu")
 
-    if device_type == "xla":
-        torch_xla = pytest.importorskip("torch_xla")
-        device = torch_xla.device()
-    else:
-        device = torch.device("cpu")
+    device = device if device_type == "xla" else torch.device("cpu")
     model = H.build("Llama").to(device)
     patches.patch(model, backend)
     got = _step(model, batch.to(device), weights, device_type)

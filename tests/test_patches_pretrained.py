@@ -49,11 +49,6 @@ def require_package(name: str):
     return spec
 
 
-def xla_device():
-    torch_xla = pytest.importorskip("torch_xla")
-    return torch_xla.device()
-
-
 # --- MiniLM (BERT) ------------------------------------------------------------------------
 
 
@@ -90,9 +85,9 @@ def forward_backward(model, batch, weights):
 
 
 @pytest.mark.parametrize("backend", ["xla", "reference", "auto"])
-def test_minilm_matches_eager(minilm, backend, monkeypatch):
+def test_minilm_matches_eager(minilm, backend, monkeypatch, device):
     model, batch, weights, expected, expected_grads = minilm
-    device = xla_device() if backend == "xla" else torch.device("cpu")
+    device = device if backend == "xla" else torch.device("cpu")
     model = copy.deepcopy(model).to(device)
     calls = attention_spy.record_calls(monkeypatch)
     with patches.patched(model, backend=backend):
@@ -176,9 +171,9 @@ def grad_error(got: dict, expected: dict) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "reference"])
-def test_smollm2_logits_match_eager(smollm2, backend, monkeypatch):
+def test_smollm2_logits_match_eager(smollm2, backend, monkeypatch, device):
     model, batch, expected, tolerance, _ = smollm2
-    device = xla_device() if backend == "xla" else torch.device("cpu")
+    device = device if backend == "xla" else torch.device("cpu")
     if device.type != "cpu":
         model = copy.deepcopy(model).to(device)
     calls = attention_spy.record_calls(monkeypatch)
@@ -210,10 +205,10 @@ def test_smollm2_greedy_generate_matches_eager(smollm2, backend, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["xla", "reference"])
-def test_smollm2_gradients_match_eager(smollm2, smollm2_gradients, backend, monkeypatch):
+def test_smollm2_gradients_match_eager(smollm2, smollm2_gradients, backend, monkeypatch, device):
     model, batch, *_ = smollm2
     weights, expected, grad_tolerance = smollm2_gradients
-    device = xla_device() if backend == "xla" else torch.device("cpu")
+    device = device if backend == "xla" else torch.device("cpu")
     decoder = copy.deepcopy(model.model).to(device)
     calls = attention_spy.record_calls(monkeypatch)
     with patches.patched(decoder, backend=backend):

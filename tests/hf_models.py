@@ -82,17 +82,23 @@ SPECS = {
 MAX_DIFFS: dict = defaultdict(lambda: defaultdict(dict))
 
 
-def config(family: str, attn_implementation: str = "eager") -> T.PretrainedConfig:
-    """The family's tiny config, as a user would write it (``attn_implementation=`` included)."""
+def config(family: str, attn_implementation: str = "eager", **overrides) -> T.PretrainedConfig:
+    """The family's tiny config, as a user would write it (``attn_implementation=`` included);
+    ``overrides`` replace or add config fields (``num_hidden_layers=1``, ``is_decoder=True``)."""
     spec = SPECS[family]
-    return spec.model_class.config_class(**spec.config, initializer_range=_INIT,
+    return spec.model_class.config_class(**{**spec.config, **overrides}, initializer_range=_INIT,
                                          attn_implementation=attn_implementation)
 
 
-def build(family: str, attn_implementation: str = "eager") -> T.PreTrainedModel:
-    """The family's tiny model on the CPU, float32, eval mode, the same weights on every call."""
+def build(family: str, attn_implementation: str = "eager", *, model_class: type | None = None,
+          **overrides) -> T.PreTrainedModel:
+    """The family's tiny model on the CPU, float32, eval mode, the same weights on every call.
+
+    model_class: the family's base model by default, or a class with a head on it
+        (``RoFormerForCausalLM``); overrides: config fields, as for :func:`config`.
+    """
     torch.manual_seed(SEED)
-    model = SPECS[family].model_class(config(family, attn_implementation))
+    model = (model_class or SPECS[family].model_class)(config(family, attn_implementation, **overrides))
     return model.float().eval()
 
 

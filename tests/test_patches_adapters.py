@@ -1,7 +1,7 @@
 """Module adapters (patches/adapters/) against the eager originals: LiLT, MPNet, RoFormer.
 
-Tiny random models built from configs on CPU. A padded batch (one row with
-trailing padding) runs through the eager model and through a deep copy patched
+Tiny random models from tests/hf_models.py on CPU. A padded batch (the second row
+ends in padding) runs through the eager model and through a deep copy patched
 with torchattn; outputs at real tokens and every parameter gradient of a
 weighted loss over real tokens must agree, and ``unpatch`` must give back the
 eager model bit for bit.
@@ -12,38 +12,18 @@ import warnings
 
 import pytest
 import torch
-from transformers import (LiltConfig, LiltModel, MPNetConfig, MPNetModel, RoFormerConfig, RoFormerForCausalLM,
-                          RoFormerModel)
+import transformers
 
+import hf_models as H
 import patches
 
-BATCH, SEQ, VOCAB, REAL = 3, 13, 100, 9  # row 1 keeps REAL tokens, then padding
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-             max_position_embeddings=64, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)
+ADAPTED = [f.name for f in patches.VERIFIED if f.route is patches.families.Route.ADAPTER]  # LiLT, MPNet, RoFormer
+SEQ = 13  # the second row: 4 padding tokens
 ATOL = 1e-5
 
 
-def _inputs(family, pad_token_id):
-    g = torch.Generator().manual_seed(0)
-    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    mask[1, REAL:] = 0
-    ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g).masked_fill(mask == 0, pad_token_id)
-    inputs = dict(input_ids=ids, attention_mask=mask)
-    if family == "lilt":  # boxes (x0, y0, x1, y1) in 0..1000 with x0 <= x1, y0 <= y1
-        corners = torch.randint(0, 1001, (BATCH, SEQ, 2, 2), generator=g).sort(dim=2).values
-        inputs["bbox"] = corners.reshape(BATCH, SEQ, 4)  # [[x0, y0], [x1, y1]] -> (x0, y0, x1, y1)
-    return inputs
-
-
-def _model(family, rotary_value=False, layers=2, **overrides):
-    torch.manual_seed(0)
-    sizes = {**SIZES, "num_hidden_layers": layers, **overrides}
-    if family == "lilt":
-        # hidden divisible by 6 (six box embeddings concatenated): 48 -> head_dim 12, layout head_dim 3
-        return LiltModel(LiltConfig(**{**sizes, "hidden_size": 48}, channel_shrink_ratio=4)).eval()
-    if family == "mpnet":
-        return MPNetModel(MPNetConfig(**sizes)).eval()
-    return RoFormerModel(RoFormerConfig(**sizes, rotary_value=rotary_value)).eval()
+def _inputs(family):
+    return H.padded_batch(family, SEQ, pad=4).inputs
 
 
 def _run(model, inputs, weights, device):
@@ -60,30 +40,25 @@ def _run(model, inputs, weights, device):
     return out.detach().cpu(), grads
 
 
-def _device(backend):
-    if backend == "xla":
-        import torch_xla
-
-        return torch_xla.device()
-    return torch.device("cpu")
-
-
 # XLA:CPU compiles the whole model's forward and backward: ~3 s for one layer, ~8 s for two.
 # Layers feeding layers (LiLT's layout stream, MPNet's shared bias) are covered on "reference",
 # and so is rotary_value: the rotation is model code that runs before any backend.
 LAYERS = {"reference": 2, "xla": 1}
-CASES = [pytest.param(family, rotary_value, backend, id=f"{family}{'-rotary_value' * rotary_value}-{backend}")
-         for backend in LAYERS for family in ("lilt", "mpnet", "roformer")
-         for rotary_value in ((False, True) if family == "roformer" and backend == "reference" else (False,))]
+# hf_models' RoFormer rotates v too (rotary_value=True); the cases add one that does not.
+CASES = [pytest.param(family, overrides, backend, id=f"{family}{'-no_rotary_value' * bool(overrides)}-{backend}")
+         for backend in LAYERS for family in ADAPTED
+         for overrides in (({}, dict(rotary_value=False)) if family == "RoFormer" and backend == "reference"
+                           else ({},))]
 
 
-@pytest.mark.parametrize("family,rotary_value,backend", CASES)
-def test_matches_eager_and_unpatches(family, rotary_value, backend):
-    eager = _model(family, rotary_value, LAYERS[backend])
-    inputs = _inputs(family, eager.config.pad_token_id)
-    weights = torch.randn(BATCH, SEQ, eager.config.hidden_size, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize("family,overrides,backend", CASES)
+def test_matches_eager_and_unpatches(family, overrides, backend, device):
+    eager = H.build(family, num_hidden_layers=LAYERS[backend], **overrides)
+    inputs = _inputs(family)
+    weights = torch.randn(*inputs["input_ids"].shape, eager.config.hidden_size,
+                          generator=torch.Generator().manual_seed(1))
     real = inputs["attention_mask"].bool()
-    device = _device(backend)
+    device = device if backend == "xla" else torch.device("cpu")
     want, want_grads = _run(eager, inputs, weights, torch.device("cpu"))
 
     patched = copy.deepcopy(eager)
@@ -103,7 +78,7 @@ def test_matches_eager_and_unpatches(family, rotary_value, backend):
             continue
         scale = max(1.0, want_grad.abs().max().item())  # embedding grads sum over many tokens
         torch.testing.assert_close(got_grad, want_grad, atol=ATOL * scale, rtol=1e-4, msg=lambda m: f"{name}: {m}")
-    if family == "mpnet":  # the relative-position bias trains through torchattn's dbias
+    if family == "MPNet":  # the relative-position bias trains through torchattn's dbias
         assert got_grads["encoder.relative_attention_bias.weight"].abs().sum() > 0
 
     patches.unpatch(patched.cpu())
@@ -118,13 +93,12 @@ def test_roformer_decoder_causal_and_cached_generation():
     """A causal decoder with padding: the kernel applies causality the model no longer
     puts in the mask, and greedy generation with a DynamicCache (bottom-right aligned
     decode steps over rotated cached keys) matches eager step for step."""
-    torch.manual_seed(0)
-    eager = RoFormerForCausalLM(RoFormerConfig(**SIZES, is_decoder=True)).eval()
+    eager = H.build("RoFormer", model_class=transformers.RoFormerForCausalLM, is_decoder=True)
     patched = copy.deepcopy(eager)
     patches.patch(patched, backend="reference")
     mask = torch.ones(2, 7, dtype=torch.long)
     mask[1, :2] = 0  # left padding, as for generation
-    ids = torch.randint(2, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(4, H.VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = eager(input_ids=ids, attention_mask=mask).logits
         got = patched(input_ids=ids, attention_mask=mask).logits
@@ -140,13 +114,13 @@ def test_roformer_cross_attention_with_cache():
     """Cross-attention layers take k, v from the encoder states, unrotated, under the
     encoder's padding mask, never causal; with an EncoderDecoderCache the second step
     reuses them while self-attention appends one rotated key."""
-    torch.manual_seed(0)
-    eager = RoFormerModel(RoFormerConfig(**SIZES, is_decoder=True, add_cross_attention=True)).eval()
+    eager = H.build("RoFormer", is_decoder=True, add_cross_attention=True)
     patched = copy.deepcopy(eager)
     patches.patch(patched, backend="reference")
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(2, VOCAB, (2, 7), generator=g)
-    encoder = dict(encoder_hidden_states=torch.randn(2, 11, SIZES["hidden_size"], generator=g),
+    ids = torch.randint(4, H.VOCAB, (2, 7), generator=g)
+    hidden = eager.config.hidden_size
+    encoder = dict(encoder_hidden_states=torch.randn(2, 11, hidden, generator=g),
                    encoder_attention_mask=(torch.arange(11) < torch.tensor([[8], [11]])).long())  # row 0: 8 real
     steps = {}
     with torch.no_grad():
@@ -154,28 +128,28 @@ def test_roformer_cross_attention_with_cache():
             first = model(input_ids=ids[:, :6], use_cache=True, **encoder)
             second = model(input_ids=ids[:, 6:], cache=first.cache, use_cache=True, **encoder)
             steps[name] = (first.last_hidden_state, second.last_hidden_state)
-    assert steps["patched"][1].shape == (2, 1, SIZES["hidden_size"])
+    assert steps["patched"][1].shape == (2, 1, hidden)
     torch.testing.assert_close(steps["patched"], steps["eager"], atol=ATOL, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family,name", [("lilt", "LiLT"), ("mpnet", "MPNet"), ("roformer", "RoFormer")])
-def test_output_attentions_warns_once_and_returns_none(family, name):
-    model = _model(family)
-    inputs = _inputs(family, model.config.pad_token_id)
+@pytest.mark.parametrize("family", ADAPTED)
+def test_output_attentions_warns_once_and_returns_none(family):
+    model = H.build(family)
+    inputs = _inputs(family)
     with patches.patched(model, backend="reference"), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = model(**inputs, output_attentions=True)  # two layers, one warning
     assert out.attentions == (None, None)
     messages = [str(w.message) for w in caught if "output_attentions" in str(w.message)]
-    assert len(messages) == 1 and name in messages[0] and "never materialises" in messages[0]
+    assert len(messages) == 1 and family in messages[0] and "never materialises" in messages[0]
 
 
-@pytest.mark.parametrize("family", ["lilt", "mpnet", "roformer"])
+@pytest.mark.parametrize("family", ADAPTED)
 def test_training_dropout_follows_torch_seed(family):
     """In training the adapters pass the module's dropout p with a seed drawn from
     torch's generator: torch.manual_seed repeats a step exactly, a new seed changes it."""
-    model = _model(family, hidden_dropout_prob=0.0).train()  # only attention dropout draws
-    inputs = _inputs(family, model.config.pad_token_id)
+    model = H.build(family, attention_probs_dropout_prob=0.1).train()  # hf_models has no dropout: only this draws
+    inputs = _inputs(family)
     patches.patch(model, backend="reference")
 
     def step(seed):

@@ -23,8 +23,8 @@ torch_xla = pytest.importorskip("torch_xla")
 from jax import export  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from torchattn.aot import argument_structs  # noqa: E402
 from torchattn.kernels.backward import dkv_call, dq_call  # noqa: E402
-from torchattn.kernels.common import KernelSpec  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
 FEATURES = {
@@ -44,21 +44,6 @@ def _spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len
     ids = torch.empty(2, q_len, device="meta", dtype=torch.int32) if segments else None
     options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p)
     return launch._spec(q, k, bias_t, ids, options, block_q, block_kv, compiled=True)
-
-
-def _signatures(spec: KernelSpec):
-    """ShapeDtypeStructs of each kernel's arguments: (forward, backward)."""
-    sds = jax.ShapeDtypeStruct
-    dt = jnp.dtype(spec.dtype)
-    b, hq, hkv, qp, kp, d = spec.batch, spec.q_heads, spec.kv_heads, spec.q_pad, spec.kv_pad, spec.head_dim
-    base = [sds((1,), jnp.int32), sds((b, hq, qp, d), dt), sds((b, hkv, kp, d), dt), sds((b, hkv, kp, d), dt)]
-    rows = [sds((b, hq, qp, d), dt), sds((b, hq, qp, 128), jnp.float32), sds((b, hq, qp, 128), jnp.float32)]
-    extra = []
-    if spec.has_segments:
-        extra += [sds((b, qp, 128), jnp.int32), sds((b, 8, kp), jnp.int32)]
-    if spec.bias_shape is not None:
-        extra.append(sds(spec.bias_shape, jnp.float32))
-    return base + extra, base + rows + extra
 
 
 def _export(fn, args):
@@ -82,7 +67,7 @@ LOWERING_MATRIX = (
 @pytest.mark.parametrize("params", LOWERING_MATRIX, ids=lambda p: ",".join(f"{k}={v}" for k, v in p.items()))
 def test_each_kernel_lowers_for_tpu(params):
     spec = _spec(**params)
-    fwd_args, bwd_args = _signatures(spec)
+    fwd_args, bwd_args = argument_structs(spec)
     _export(forward_call(spec), fwd_args)
     _export(dkv_call(spec), bwd_args)
     _export(dq_call(spec, spec.bias_shape is not None), bwd_args)
@@ -94,7 +79,7 @@ def test_invalid_block_size_is_rejected_by_tpu_lowering(blocks):
     with pytest.raises(ValueError):
         BlockSizes(block_q_bwd=128, block_kv_bwd=128, **blocks)
     spec = _spec(**blocks)
-    fwd_args, _ = _signatures(spec)
+    fwd_args, _ = argument_structs(spec)
     with pytest.raises(Exception, match="divisible by 8 and 128"):
         export.export(jax.jit(forward_call(spec)), platforms=["tpu"])(*fwd_args)
 

@@ -1,0 +1,101 @@
+"""Block sizes and VMEM limits per TPU generation: the rule they were chosen by, and that calls use them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torchattn
+from torchattn import backends, devices, generations, internals
+from torchattn.api import _validate
+from torchattn.config import BlockSizes
+
+torch_xla = pytest.importorskip("torch_xla")
+
+LANES = 128
+
+
+def _intensities(blocks: BlockSizes, head_dim: int, itemsize: int) -> dict[str, float]:
+    """FLOPs per byte read from HBM by each kernel's streamed operand, per grid step.
+
+    forward: one q block meets a k and a v block: 2 matmuls of 2*bq*bkv*d FLOPs over 2*bkv*d elements.
+    dq: one q block meets k and v: 3 matmuls (scores, dp, dq) over the same 2*bkv*d elements.
+    dk/dv: one kv block meets a q block, its do, and lse and delta (float32, lane-broadcast to 128):
+    4 matmuls (scores, dp, dv, dk). The kernels pad head_dim to 128 lanes and compute on the padding.
+    """
+    bq, bkv, bq_bwd, bkv_bwd = blocks.block_q, blocks.block_kv, blocks.block_q_bwd, blocks.block_kv_bwd
+    d = -(-head_dim // LANES) * LANES
+    return {
+        "forward": 4 * bq * bkv * d / (2 * bkv * d * itemsize),
+        "backward_dq": 6 * bq_bwd * bkv_bwd * d / (2 * bkv_bwd * d * itemsize),
+        "backward_dkv": 8 * bq_bwd * bkv_bwd * d / (bq_bwd * (2 * d * itemsize + 2 * LANES * 4)),
+    }
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("name", sorted(generations.GENERATIONS))
+def test_default_blocks_are_compute_bound_in_bfloat16(name, head_dim):
+    """Each kernel's default blocks do more FLOPs per HBM byte than the chip's ridge point."""
+    chip = generations.get(name)
+    blocks = BlockSizes.default(1 << 16, 1 << 16, head_dim, name)
+    for kernel, intensity in _intensities(blocks, head_dim, itemsize=2).items():
+        assert intensity >= chip.ridge_flops_per_byte, (
+            f"{name} {kernel} head_dim={head_dim}: {intensity:.0f} FLOPs/byte < ridge "
+            f"{chip.ridge_flops_per_byte:.0f} with {blocks}")
+
+
+def test_v6e_needs_about_three_times_the_block_of_v5p():
+    ratio = generations.get("v6e").ridge_flops_per_byte / generations.get("v5p").ridge_flops_per_byte
+    assert 3 <= ratio < 4
+    assert BlockSizes.default(8192, 8192, 128, "v6e").block_q >= 2 * BlockSizes.default(8192, 8192, 128, "v5p").block_q
+
+
+def test_defaults_are_clamped_to_short_sequences():
+    assert BlockSizes.default(100, 200, 128, "v6e") == BlockSizes(104, 256, 104, 256)
+
+
+def test_unknown_generation_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"generation: expected one of \['v4', 'v5e', 'v5p', 'v6e'\], got 'v7'"):
+        BlockSizes.default(128, 128, 64, "v7")
+
+
+def test_off_tpu_defaults_do_not_depend_on_a_generation(device):
+    q = torch.randn(1, 2, 4096, 128, device=device)
+    assert _validate(q, q, q, *_DEFAULTS).resolved_block_sizes() == BlockSizes(512, 512, 512, 512)
+    assert devices.tpu_generation(device) is None
+
+
+_DEFAULTS = (False, None, None, None, None, None, None, 0.0, None, False, None)
+
+
+@pytest.fixture
+def tpu_of_kind(monkeypatch):
+    """Fakes a TPU of a given generation: torchattn's device reads answer for it (tensors stay on XLA:CPU)."""
+    def fake(name: str):
+        monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
+        monkeypatch.setattr(devices, "xla_device_kind", lambda device: generations.get(name).device_kind)
+        monkeypatch.setattr(backends, "_warned", set())
+    return fake
+
+
+@pytest.mark.parametrize("name", sorted(generations.GENERATIONS))
+def test_calls_on_a_tpu_take_its_generation_s_blocks_and_vmem_limit(tpu_of_kind, device, monkeypatch, name):
+    """The device's generation picks the default blocks, and the Mosaic payload asks for its VMEM limit."""
+    tpu_of_kind(name)
+    q = torch.randn(1, 4, 4096, 128, device=device, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 4096, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
+    assert _validate(q, k, v, *_DEFAULTS).resolved_block_sizes() == BlockSizes(*generations.get(name).blocks)
+
+    payloads = []
+    real = internals.mosaic_payload
+    monkeypatch.setattr(internals, "mosaic_payload", lambda fn, sig: payloads.append(real(fn, sig)) or payloads[-1])
+    out = torchattn.flash_attention(q, k, v, causal=True, backend="pallas")
+    del out  # built, never run: XLA:CPU cannot execute a tpu_custom_call
+    (config,) = [json.loads(p) for p in payloads]
+    limit = generations.get(name).vmem_limit_bytes
+    if limit is None:
+        assert "scoped_memory_configs" not in config
+    else:
+        assert config["scoped_memory_configs"][0]["size"] == limit

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import os
 import sys
 
 from .. import generations
@@ -159,10 +158,6 @@ def first_line(error: Exception) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     attention = attention_from(args)
-    # libtpu reads a TPU VM's host layout at start-up and logs errors when there is none; compiling
-    # needs none: describe this one host, so that stderr holds only the compiler's reasons.
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     names = list(generations.GENERATIONS) if args.generation == "all" else [args.generation]
     body, failures = [], []
     for generation in names:

@@ -45,6 +45,10 @@ def device(generation: str):
     # libtpu refuses a second process on the machine without this (a TPU VM's guard
     # against two runtimes sharing chips; here nothing is shared: compile-only).
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    # Off a TPU VM libtpu cannot find its host and worker list and prints warnings
+    # about it; a one-host slice is what a compile-only client is. Results are the same.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     topology = topologies.get_topology_desc(platform="tpu", topology_name=generations.get(generation).topology)
     return topology.devices[0]
 
@@ -58,8 +62,12 @@ def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
     sharding = NamedSharding(Mesh(np.array([device(generation)]), ("x",)), PartitionSpec())
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
     start = time.perf_counter()
-    with internals.pinned_mosaic_version():
-        executable = jax.jit(fn).trace(*placed).lower().compile()
+    try:
+        with internals.pinned_mosaic_version():
+            executable = jax.jit(fn).trace(*placed).lower().compile()
+    except Exception as error:  # the compiler's message does not say which kernel it was
+        error.add_note(f"while compiling {name} for {generation}")
+        raise
     return _describe(name, generation, time.perf_counter() - start, executable,
                      executable.cost_analysis(), executable.memory_analysis())
 

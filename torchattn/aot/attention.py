@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from ..config import LANES, SUBLANES, BlockSizes
-from ..kernels import launch
+from ..kernels import launch, vmem
 from ..request import Options
 from .compiler import Compiled, compile_jax
 
@@ -86,6 +86,11 @@ def compile_attention(attention: Attention, generation: str,
 
     blocks = (block_sizes.clamped(attention.q_len, attention.kv_len) if block_sizes is not None
               else attention.default_block_sizes(generation))
+    # Blocks too large for the chip's VMEM are refused as a call would refuse them, before compiling.
+    vmem.check_fits(generation, vmem.Operands(
+        attention.head_dim, attention.dtype, attention.segments, bias_grad=True,
+        bias=attention.bias and (attention.q_len if attention.bias == "full" else 1, attention.kv_len),
+        dropout=attention.dropout_p > 0, softcap=attention.softcap is not None), blocks)
     fwd_spec, bwd_spec = attention.specs(blocks, generation)
     fwd_args, _ = argument_structs(fwd_spec)
     _, bwd_args = argument_structs(bwd_spec)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 
 from .. import autograd, devices
-from ..kernels import launch
+from ..kernels import launch, vmem
 from ..request import Request
 
 NAME = "pallas"
@@ -25,7 +25,22 @@ def unavailable(request: Request) -> str | None:
 
 
 def run(request: Request):
+    generation = devices.tpu_generation(request.device)
+    if generation is not None:  # block sizes too large for the chip are the caller's to fix: refuse, no fallback
+        vmem.check_fits(generation, operands(request), request.resolved_block_sizes())
     return autograd.blockwise_attention(request, NAME)
+
+
+def operands(request: Request) -> vmem.Operands:
+    """What, besides block sizes, sets the VMEM the kernels of ``request`` need."""
+    bias = request.bias
+    return vmem.Operands(
+        head_dim=request.head_dim, dtype=str(request.dtype).removeprefix("torch."),
+        segments=request.segment_ids is not None,
+        bias=None if bias is None else tuple(bias.shape[2:]),
+        bias_dtype="float32" if bias is None else str(bias.dtype).removeprefix("torch."),
+        bias_grad=bias is not None and bias.requires_grad,
+        dropout=request.options.dropout_p > 0, softcap=request.options.softcap is not None)
 
 
 forward = functools.partial(launch.forward, compiled=True)

@@ -1,0 +1,162 @@
+"""Block sizes too large for a TPU generation's VMEM are refused at the call, before tracing
+(torchattn/kernels/vmem.py), and the estimate behind the refusal holds against libtpu's compiler:
+each kernel compiles with its Mosaic VMEM limit set to the estimate, and not with much less."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+import torchattn
+from torchattn import generations
+from torchattn.config import BlockSizes
+from torchattn.kernels import vmem
+
+jax = pytest.importorskip("jax")
+torch_xla = pytest.importorskip("torch_xla")
+
+from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax  # noqa: E402
+from torchattn.kernels.backward import dkv_call, dq_call  # noqa: E402
+from torchattn.kernels.forward import forward_call  # noqa: E402
+
+MiB = 1 << 20
+# The promise of the estimate: never below the compiler's need, at most this far above it.
+SLACK_FACTOR, SLACK_BYTES = 1.5, 1 * MiB
+
+
+def _operands(attention: Attention) -> vmem.Operands:
+    bias = None if attention.bias is None else (attention.q_len if attention.bias == "full" else 1, attention.kv_len)
+    return vmem.Operands(attention.head_dim, attention.dtype, attention.segments, bias, "float32",
+                         bias_grad=attention.bias is not None, dropout=attention.dropout_p > 0,
+                         softcap=attention.softcap is not None)
+
+
+def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, block_kv: int,
+              vmem_limit: int) -> bool:
+    """Whether ``kernel`` compiles for ``generation`` with Mosaic's VMEM limit at ``vmem_limit`` bytes;
+    False when the compiler runs out of VMEM, anything else is raised."""
+    forward_spec, backward_spec = attention.specs(BlockSizes(block_q, block_kv, block_q, block_kv), generation)
+    spec = dataclasses.replace(forward_spec if kernel == "forward" else backward_spec, vmem_limit_bytes=vmem_limit)
+    forward_args, backward_args = argument_structs(spec)
+    fn, args = {"forward": (forward_call, forward_args),
+                "backward_dq": (lambda s: dq_call(s, s.bias_shape is not None), backward_args),
+                "backward_dkv": (dkv_call, backward_args)}[kernel]
+    try:
+        compile_jax(fn(spec), args, generation, kernel)
+    except Exception as error:  # libtpu raises XlaRuntimeError
+        if "RESOURCE_EXHAUSTED" not in str(error) or "vmem" not in str(error):
+            raise
+        return False
+    return True
+
+
+def _first_failure_below(attention, generation, kernel, block_q, block_kv, start, stop, step=0.9):
+    """A short search down from ``start``: the first VMEM limit, in steps of ``step`` down to ``stop``
+    (``stop`` itself last), under which the kernel does not compile; None if it compiles at all of them.
+
+    Stepping down from a limit that compiles, the first failure marks the kernel's need; further down
+    the compiler may succeed again by giving up double buffering, so the search stops there."""
+    limit = start
+    while limit > stop:
+        limit = max(stop, int(limit * step) // 4096 * 4096)
+        if not _compiles(attention, generation, kernel, block_q, block_kv, limit):
+            return limit
+    return None
+
+
+def _attention(head_dim, dtype, block_q, block_kv, features=""):
+    length = 2 * max(block_q, block_kv)
+    return Attention(batch=1, q_heads=2, kv_heads=1, q_len=length, kv_len=length, head_dim=head_dim, dtype=dtype,
+                     segments="segments" in features, bias="full" if "bias" in features else None)
+
+
+ESTIMATE_CASES = [  # generation, kernel, head_dim, dtype, block_q, block_kv, features
+    ("v5e", "forward", 128, "bfloat16", 512, 1024, ""),
+    ("v5e", "backward_dq", 256, "float32", 512, 512, "segments,bias"),
+    ("v5e", "backward_dkv", 128, "bfloat16", 1024, 1024, ""),
+    ("v4", "backward_dkv", 128, "bfloat16", 512, 512, "segments,bias"),
+    ("v4", "forward", 256, "float32", 256, 256, "segments,bias"),
+]
+
+
+@pytest.mark.parametrize("case", ESTIMATE_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
+    generation, kernel, head_dim, dtype, block_q, block_kv, features = case
+    attention = _attention(head_dim, dtype, block_q, block_kv, features)
+    estimate = vmem.kernel_bytes(kernel, _operands(attention), block_q, block_kv)
+    assert _compiles(attention, generation, kernel, block_q, block_kv, estimate), \
+        f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
+    floor = int((estimate - SLACK_BYTES) / SLACK_FACTOR)
+    failure = _first_failure_below(attention, generation, kernel, block_q, block_kv, estimate, floor)
+    assert failure is not None, (f"compiles within {floor / MiB:.2f} MiB: the estimate of {estimate / MiB:.2f} MiB "
+                                 f"is more than {SLACK_FACTOR}x + {SLACK_BYTES / MiB:.0f} MiB the need")
+
+
+@pytest.mark.parametrize("generation", sorted(generations.GENERATIONS))
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_default_block_sizes_fit_with_every_feature(generation, head_dim, dtype):
+    length = 32768  # long enough that no default is clamped
+    blocks = BlockSizes.default(length, length, head_dim, generation)
+    operands = vmem.Operands(head_dim, dtype, segments=True, bias=(length, length), bias_dtype="float32",
+                             bias_grad=True, dropout=True, softcap=True)
+    vmem.check_fits(generation, operands, blocks)
+
+
+def test_too_large_blocks_are_refused_at_the_call_with_blocks_that_fit(device, fake_tpu):
+    """On a (faked) v5e, 4096-row blocks are refused before anything is traced, and the block sizes the
+    error suggests compile for v5e."""
+    length, head_dim = 4096, 128
+    q, k, v = (torch.zeros(1, 2, length, head_dim, dtype=torch.bfloat16).to(device) for _ in range(3))
+    ids = torch.zeros(1, length, dtype=torch.int32).to(device)
+    bias = torch.zeros(1, 1, length, length).to(device).requires_grad_()
+    with pytest.raises(ValueError) as refused:
+        torchattn.flash_attention(q, k, v, segment_ids=ids, bias=bias, block_sizes=BlockSizes(4096, 4096, 4096, 4096))
+    message = str(refused.value)
+    assert "TPU v5e" in message
+    available = re.search(r"\(([\d.]+) MiB available", message)
+    assert available and float(available[1]) == generations.get("v5e").usable_vmem_bytes / MiB
+    needed = re.findall(r"needs ([\d.]+) MiB", message)
+    assert needed and all(float(n) > float(available[1]) for n in needed)
+    suggested = re.search(r"BlockSizes\(block_q=(\d+), block_kv=(\d+), block_q_bwd=(\d+), block_kv_bwd=(\d+)\)",
+                          message)
+    assert suggested, message
+    blocks = BlockSizes(*map(int, suggested.groups()))
+    assert max(dataclasses.astuple(blocks)) <= 1024, f"suggested {blocks}: too slow to compile in this test"
+    attention = Attention(batch=1, q_heads=2, kv_heads=2, q_len=length, kv_len=length, head_dim=head_dim,
+                          segments=True, bias="full")
+    assert len(compile_attention(attention, "v5e", blocks)) == 3
+
+
+@pytest.mark.parametrize("generation", sorted(generations.GENERATIONS))
+@pytest.mark.parametrize("head_dim,dtype", [(128, "bfloat16"), (256, "float32")])
+def test_suggested_block_sizes_fit_and_are_no_larger(generation, head_dim, dtype):
+    operands = vmem.Operands(head_dim, dtype, segments=True, bias=(8192, 8192), bias_grad=True)
+    given = BlockSizes(8192, 4096, 2048, 8192)
+    suggested = vmem.fitting_block_sizes(generation, operands, given)
+    vmem.check_fits(generation, operands, suggested)
+    assert all(s <= g for s, g in zip(dataclasses.astuple(suggested), dataclasses.astuple(given)))
+
+
+def test_a_kernel_the_compiler_refuses_is_refused_by_check_fits():
+    """v4, head_dim 128, bfloat16, forward blocks 2048 x 1024: libtpu runs out of VMEM (16 MiB)."""
+    attention = _attention(128, "bfloat16", 2048, 1024)
+    assert not _compiles(attention, "v4", "forward", 2048, 1024, None)
+    with pytest.raises(ValueError, match=r"TPU v4 .*forward kernel with block_q=2048, block_kv=1024"):
+        vmem.check_fits("v4", _operands(attention), BlockSizes(2048, 1024, 512, 512))
+
+
+def test_the_dq_kernel_holds_a_score_gradient_block_only_when_the_bias_needs_a_gradient():
+    with_grad, without = (vmem.Operands(128, "float32", bias=(1024, 1024), bias_grad=g) for g in (True, False))
+    grown = vmem.kernel_bytes("backward_dq", with_grad, 512, 512) - vmem.kernel_bytes("backward_dq", without, 512, 512)
+    assert grown == 2 * 512 * 512 * 4  # a double-buffered float32 (512, 512) output block
+
+
+def test_unknown_kernel_and_dtype_are_refused():
+    with pytest.raises(ValueError, match="kernel: expected one of"):
+        vmem.kernel_bytes("backward", vmem.Operands(128, "float32"), 128, 128)
+    with pytest.raises(ValueError, match=r"Operands.dtype: expected one of \['bfloat16', 'float32'\], got 'float16'"):
+        vmem.Operands(128, "float16")

@@ -1,0 +1,197 @@
+"""VMEM each Pallas kernel needs, and the check that block sizes fit a TPU generation.
+
+Pure Python (no jax): it runs at call time, before any kernel is built, so block
+sizes too large for the chip are refused at the call, with block sizes that fit,
+instead of by the TPU compiler (``RESOURCE_EXHAUSTED ... vmem``) after tracing.
+
+A kernel holds in VMEM:
+- every input and output block twice: Pallas' pipeline fetches the next block
+  while the kernel works on this one. A block is stored in (8, 128) tiles of
+  32-bit words: rows padded to 8 (16 for bfloat16, two rows per word), lanes to
+  128. head_dim is padded to 128 lanes (kernels/launch.py);
+- its scratch (forward.py, backward.py), float32: the forward's running max and
+  denominator (block_q, 128) and accumulator (block_q, head_dim); dq's
+  accumulator (block_q, head_dim); dk/dv's two (block_kv, head_dim);
+- the compiler's intermediates, :data:`INTERMEDIATES`, measured.
+
+Calibration against libtpu 0.0.21: the need of a kernel is the smallest
+``vmem_limit_bytes`` from which it compiles, searched down from the estimate to
+the first failure, then bisected to 2%. (Further down the compiler can succeed
+again by buffering blocks once instead of twice, a slower kernel.) Over 71
+configurations (v5e unless named; v4, v5p, v6e alike) the estimate is never
+below the need and at most 1.37x above it, 1.65x for needs under 4 MiB; it must
+stay within 1.5x + 1 MiB (tests/test_vmem_fit.py measures a few again). MiB:
+
+    kernel        head_dim dtype     blocks     features                   need  estimate
+    forward       128      bfloat16  1024x128   -                          5.66   6.05
+    forward       128      bfloat16  1024x1024  segments, bias, causal,
+                                                window, softcap, dropout  19.55  21.81
+    forward       256      float32   1024x1024  -                         18.05  19.50
+    forward       128      bfloat16  2048x2048  -                         27.44  29.50
+    backward_dq   128      bfloat16  128x1024   -                          2.15   3.54
+    backward_dq   128      bfloat16  1024x1024  (all of the above)        33.51  37.69
+    backward_dq   256      float32   512x512    segments, bias            13.43  16.53
+    backward_dq   256      bfloat16  512x512    -                          5.74   7.88
+    backward_dkv  128      bfloat16  1024x1024  (all of the above)        30.85  34.31
+    backward_dkv  256      float32   1024x1024  -                         27.95  31.00
+    backward_dkv  128      bfloat16  512x1024   broadcast bias             8.01  10.50
+    v4 forward    128      bfloat16  512x512    segments, bias             6.56   6.91
+    v6e dq        128      bfloat16  1024x1024  segments, bias            31.05  32.69
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import generations
+from ..config import LANES, SUBLANES, BlockSizes, round_up
+
+MiB = 1 << 20
+KERNELS = ("forward", "backward_dq", "backward_dkv")
+_ITEMSIZE = {"float32": 4, "bfloat16": 2}
+_WORD = 4  # bytes in a VMEM tile element (32 bits)
+_BUFFERS = 2  # double buffering of every pipelined block
+
+
+@dataclasses.dataclass(frozen=True)
+class Intermediates:
+    """What the compiler keeps in VMEM for one kernel besides blocks and scratch, in tiles of a
+    (block_q, block_kv) float32 score tile unless said otherwise. Measured: module docstring."""
+
+    scores: float  # scores, probabilities, their gradients, masks
+    rows: float  # (block_q, 128) float32 per-row values: running max, denominator, rescaling
+    operands: float  # copies of a q block and a k block together: transposed or cast for the matrix unit
+    dropout: float  # random bits and keep mask
+    softcap: float  # the tanh kept for softcap's gradient
+
+
+INTERMEDIATES = {
+    "forward": Intermediates(scores=1.0, rows=3.0, operands=1.5, dropout=0.25, softcap=0.25),
+    "backward_dq": Intermediates(scores=2.25, rows=0.0, operands=3.25, dropout=0.75, softcap=0.5),
+    "backward_dkv": Intermediates(scores=2.5, rows=0.0, operands=2.5, dropout=1.0, softcap=1.0),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Operands:
+    """What sets a kernel's VMEM besides its block sizes.
+
+    head_dim: per head, before padding to 128 lanes.
+    dtype: of q, k, v: "float32" or "bfloat16".
+    segments: segment ids given (a (block_q, 128) and an (8, block_kv) int32 block).
+    bias: the bias's (q_len, kv_len) sizes, 1 where broadcast; None without a bias.
+    bias_dtype: "float32" or "bfloat16" (a bias in q's dtype is used as it is).
+    bias_grad: the bias needs a gradient: the dq kernel also writes a (block_q, block_kv)
+        float32 block of score gradients.
+    dropout, softcap: the call uses them.
+    """
+
+    head_dim: int
+    dtype: str
+    segments: bool = False
+    bias: tuple[int, int] | None = None
+    bias_dtype: str = "float32"
+    bias_grad: bool = False
+    dropout: bool = False
+    softcap: bool = False
+
+    def __post_init__(self):
+        for name in ("dtype", "bias_dtype"):
+            if getattr(self, name) not in _ITEMSIZE:
+                raise ValueError(f"Operands.{name}: expected one of {sorted(_ITEMSIZE)}, got {getattr(self, name)!r}")
+
+
+def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
+    """Bytes of a (rows, cols) block in VMEM tiles: rows to 8 words' worth, lanes to 128."""
+    rows_per_tile = SUBLANES * (_WORD // itemsize)
+    return round_up(rows, rows_per_tile) * round_up(cols, LANES) * itemsize
+
+
+def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -> int:
+    """VMEM ``kernel`` ("forward", "backward_dq", "backward_dkv") needs at these block sizes."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    size = _ITEMSIZE[operands.dtype]
+    d = round_up(operands.head_dim, LANES)
+    q_block, kv_block = _tile_bytes(block_q, d, size), _tile_bytes(block_kv, d, size)
+    per_row = _tile_bytes(block_q, LANES, _WORD)  # lse, delta, running max: lane-broadcast float32
+    scores = _tile_bytes(block_q, block_kv, _WORD)
+    inputs = [q_block, kv_block, kv_block]  # q, k, v
+    if kernel != "forward":
+        inputs += [q_block, per_row, per_row]  # do, lse, delta
+    if operands.segments:
+        inputs += [_tile_bytes(block_q, LANES, _WORD), _tile_bytes(SUBLANES, block_kv, _WORD)]
+    if operands.bias is not None:
+        bias_rows, bias_cols = (block if dim > 1 else 1 for dim, block in zip(operands.bias, (block_q, block_kv)))
+        inputs.append(_tile_bytes(bias_rows, bias_cols, _ITEMSIZE[operands.bias_dtype]))
+    if kernel == "forward":
+        outputs = [q_block, per_row]  # out, lse
+        scratch = [per_row, per_row, _tile_bytes(block_q, d, _WORD)]
+    elif kernel == "backward_dq":
+        outputs = [q_block] + ([scores] if operands.bias is not None and operands.bias_grad else [])
+        scratch = [_tile_bytes(block_q, d, _WORD)]
+    else:
+        outputs = [kv_block, kv_block]  # dk, dv
+        scratch = [_tile_bytes(block_kv, d, _WORD)] * 2
+    kept = INTERMEDIATES[kernel]
+    tiles = kept.scores + kept.dropout * operands.dropout + kept.softcap * operands.softcap
+    intermediates = tiles * scores + kept.rows * per_row + kept.operands * (block_q + block_kv) * d * size
+    return _BUFFERS * (sum(inputs) + sum(outputs)) + sum(scratch) + int(intermediates)
+
+
+def kernel_blocks(block_sizes: BlockSizes) -> dict[str, tuple[int, int]]:
+    """(block_q, block_kv) per kernel: the forward's, and the _bwd sizes for both backward kernels."""
+    backward = (block_sizes.block_q_bwd, block_sizes.block_kv_bwd)
+    return {"forward": (block_sizes.block_q, block_sizes.block_kv), "backward_dq": backward,
+            "backward_dkv": backward}
+
+
+def needs(operands: Operands, block_sizes: BlockSizes) -> dict[str, int]:
+    """Bytes of VMEM per kernel at ``block_sizes``."""
+    return {kernel: kernel_bytes(kernel, operands, *blocks) for kernel, blocks in kernel_blocks(block_sizes).items()}
+
+
+def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockSizes) -> BlockSizes | None:
+    """``block_sizes`` with each kernel pair that does not fit ``generation``'s VMEM shrunk: its larger
+    block halved until its kernels fit and no block exceeds the largest of the generation's default
+    blocks (larger ones compile far slower and gain little). None if even 8 x 128 blocks do not fit."""
+    chip = generations.get(generation)
+    largest = max(chip.blocks + chip.blocks_wide_heads)
+
+    def fits(block_q, block_kv, kernels):
+        return all(kernel_bytes(k, operands, block_q, block_kv) <= chip.usable_vmem_bytes for k in kernels)
+
+    def shrink(block_q, block_kv, kernels):
+        if fits(block_q, block_kv, kernels):
+            return block_q, block_kv
+        while max(block_q, block_kv) > largest or not fits(block_q, block_kv, kernels):
+            if block_kv >= block_q and block_kv > LANES:
+                block_kv = round_up(block_kv // 2, LANES)
+            elif block_q > SUBLANES:
+                block_q = round_up(block_q // 2, SUBLANES)
+            else:
+                return None
+        return block_q, block_kv
+
+    forward = shrink(block_sizes.block_q, block_sizes.block_kv, KERNELS[:1])
+    backward = shrink(block_sizes.block_q_bwd, block_sizes.block_kv_bwd, KERNELS[1:])
+    if forward is None or backward is None:
+        return None
+    return BlockSizes(*forward, *backward)
+
+
+def check_fits(generation: str, operands: Operands, block_sizes: BlockSizes) -> None:
+    """Raises ValueError when a kernel at ``block_sizes`` needs more VMEM than ``generation`` gives it."""
+    available = generations.get(generation).usable_vmem_bytes
+    too_big = {k: n for k, n in needs(operands, block_sizes).items() if n > available}
+    if not too_big:
+        return
+    blocks = kernel_blocks(block_sizes)
+    lines = [f"{kernel} kernel with block_q={blocks[kernel][0]}, block_kv={blocks[kernel][1]} needs "
+             f"{need / MiB:.1f} MiB" for kernel, need in too_big.items()]
+    fitting = fitting_block_sizes(generation, operands, block_sizes)
+    advice = (f"block sizes that fit: {fitting!r}" if fitting is not None
+              else "no block sizes fit (head_dim too large for this chip)")
+    raise ValueError(
+        f"block_sizes: too large for the VMEM of TPU {generation} ({available / MiB:.1f} MiB available per "
+        f"kernel) at head_dim={operands.head_dim}, {operands.dtype}: {'; '.join(lines)}. {advice}")

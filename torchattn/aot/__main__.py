@@ -116,15 +116,6 @@ def describe(attention: Attention) -> str:
             f"{attention.dtype}; " + ", ".join(features))
 
 
-def vmem_estimates(attention: Attention, blocks: BlockSizes) -> dict[str, int]:
-    """torchattn's estimate of each kernel's VMEM (kernels/vmem.py): the compiler reports VMEM only
-    when a kernel runs out of it."""
-    bias = {None: None, "full": (attention.q_len, attention.kv_len), "broadcast": (1, attention.kv_len)}
-    operands = vmem.Operands(head_dim=attention.head_dim, dtype=attention.dtype, segments=attention.segments,
-                             bias=bias[attention.bias], bias_grad=attention.bias is not None)
-    return vmem.needs(operands, blocks)
-
-
 def rows(generation: str, blocks: BlockSizes, estimates: dict[str, int], compiled: list) -> list[list[str]]:
     """One table row per compiled kernel (forward, backward_dq, backward_dkv)."""
     vmem_limit = generations.get(generation).usable_vmem_bytes
@@ -163,7 +154,7 @@ def main(argv=None) -> int:
     for generation in names:
         blocks = block_sizes(args, attention, generation)
         try:
-            body += rows(generation, blocks, vmem_estimates(attention, blocks),
+            body += rows(generation, blocks, vmem.needs(attention.vmem_operands(), blocks),
                          compile_attention(attention, generation, blocks))
         except (RuntimeError, ValueError) as error:  # XlaRuntimeError is a RuntimeError
             failures.append(f"torchattn.aot: {generation} with {blocks} does not compile: {first_line(error)}")

@@ -50,6 +50,13 @@ class Attention:
                 launch._spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, True,
                              generation))
 
+    def vmem_operands(self) -> vmem.Operands:
+        """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
+        bias = {None: None, "full": (self.q_len, self.kv_len), "broadcast": (1, self.kv_len)}[self.bias]
+        return vmem.Operands(head_dim=self.head_dim, dtype=self.dtype, segments=self.segments, bias=bias,
+                             bias_grad=self.bias is not None, dropout=self.dropout_p > 0,
+                             softcap=self.softcap is not None)
+
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
 
@@ -78,8 +85,10 @@ def compile_attention(attention: Attention, generation: str,
     """Compiles the forward, dq and dk/dv kernels of ``attention`` for ``generation``.
 
     block_sizes default to the generation's (``BlockSizes.default``); given ones are
-    clamped to the lengths as a call would clamp them. Raises what the compiler
-    raises (e.g. ``RESOURCE_EXHAUSTED`` when a kernel does not fit in VMEM).
+    clamped to the lengths as a call would clamp them. Raises ValueError
+    (``torchattn.kernels.vmem.check_fits``) when the blocks do not fit the
+    generation's VMEM; otherwise what the compiler raises (e.g. ``RESOURCE_EXHAUSTED``
+    when the arrays do not fit in HBM).
     """
     from ..kernels.backward import dkv_call, dq_call
     from ..kernels.forward import forward_call
@@ -87,10 +96,7 @@ def compile_attention(attention: Attention, generation: str,
     blocks = (block_sizes.clamped(attention.q_len, attention.kv_len) if block_sizes is not None
               else attention.default_block_sizes(generation))
     # Blocks too large for the chip's VMEM are refused as a call would refuse them, before compiling.
-    vmem.check_fits(generation, vmem.Operands(
-        attention.head_dim, attention.dtype, attention.segments, bias_grad=True,
-        bias=attention.bias and (attention.q_len if attention.bias == "full" else 1, attention.kv_len),
-        dropout=attention.dropout_p > 0, softcap=attention.softcap is not None), blocks)
+    vmem.check_fits(generation, attention.vmem_operands(), blocks)
     fwd_spec, bwd_spec = attention.specs(blocks, generation)
     fwd_args, _ = argument_structs(fwd_spec)
     _, bwd_args = argument_structs(bwd_spec)

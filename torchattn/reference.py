@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import masks
 from .dropout import dropout_mask
-from .masks import diagonal_bounds, visible
 from .request import accumulation_dtype
 
 
@@ -53,14 +53,9 @@ def attention_reference(
     if bias is not None:
         scores = scores + bias.to(compute)
 
-    left, right = diagonal_bounds(causal, window)
-    rows = torch.arange(q_len, device=q.device).view(q_len, 1)
-    cols = torch.arange(kv_len, device=q.device).view(1, kv_len)
-    mask = visible(rows, cols, q_len=q_len, kv_len=kv_len, left=left, right=right)
-    mask = mask.expand(batch, 1, q_len, kv_len)
-    if segment_ids is not None:
-        same = segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
-        mask = mask & same
+    left, right = masks.diagonal_bounds(causal, window)
+    mask = masks.dense(q_len, kv_len, left=left, right=right, segment_ids=segment_ids,
+                       kv_segment_ids=kv_segment_ids, device=q.device)  # (batch or 1, 1, q_len, kv_len)
     if bias is not None:  # a -inf bias hides a key like a mask does (as in the blockwise backends)
         mask = mask & (scores > float("-inf"))
     # Rows that see nothing get finite dummy scores so logsumexp and its

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..masks import visible
+from .. import masks
 from ..request import Request
 
 NAME = "sdpa"
@@ -50,7 +50,8 @@ def run(request: Request):
     if left is None and right is None and not has_segments:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=_cast_bias(request), **sdpa), None
 
-    mask = _visible_mask(request, left, right)  # (b or 1, 1, sq, skv) bool
+    mask = masks.dense(request.q_len, request.kv_len, left=left, right=right, segment_ids=request.segment_ids,
+                       kv_segment_ids=request.kv_segment_ids, device=request.device)  # (b or 1, 1, sq, skv) bool
     row_sees = mask.any(dim=-1, keepdim=True)  # (b or 1, 1, sq, 1)
     mask = mask | ~row_sees  # dummy all-visible rows; their output is zeroed below
     bias = _cast_bias(request)
@@ -62,15 +63,3 @@ def run(request: Request):
 def _cast_bias(request: Request):
     """SDPA wants a float mask in q's dtype; the cast keeps the bias's autograd path."""
     return None if request.bias is None else request.bias.to(request.dtype)
-
-
-def _visible_mask(request: Request, left, right) -> torch.Tensor:
-    device = request.device
-    rows = torch.arange(request.q_len, device=device).view(request.q_len, 1)
-    cols = torch.arange(request.kv_len, device=device).view(1, request.kv_len)
-    mask = visible(rows, cols, q_len=request.q_len, kv_len=request.kv_len, left=left, right=right)
-    mask = mask.expand(1, 1, request.q_len, request.kv_len)
-    if request.segment_ids is not None:
-        same = request.segment_ids[:, None, :, None] == request.kv_segment_ids[:, None, None, :]
-        mask = mask & same  # (b, 1, sq, skv)
-    return mask

@@ -17,9 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import autograd, internals
+from .. import autograd, internals, masks
 from ..dropout import column_keys, element_bits, keep_threshold, row_keys
-from ..masks import visible
 from ..request import Request, accumulation_dtype
 
 NAME = "xla"
@@ -184,9 +183,8 @@ def _scores(lay, options, fixed, blk):
     if "bias" in blk:
         s = (lay.heads(s) + blk["bias"]).view(s.shape)
     left, right = options.bounds
-    mask = visible(fixed["rows"], blk["cols"], q_len=lay.Sq, kv_len=lay.Skv, left=left, right=right)
-    if "q_seg" in fixed:
-        mask = mask & (fixed["q_seg"] == blk["kv_seg"])  # (B, 1, R, bk)
+    mask = masks.visible(fixed["rows"], blk["cols"], q_len=lay.Sq, kv_len=lay.Skv, left=left, right=right,
+                         q_ids=fixed.get("q_seg"), kv_ids=blk.get("kv_seg"))  # (R, bk), with segments (B, 1, R, bk)
     return s, mask, tanh
 
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import (LANES, SUBLANES, KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs,
-                     q_grid_maps)
+from ..config import LANES, SUBLANES
+from .common import KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
 from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -66,7 +66,7 @@ def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
         ds_ref, *refs = refs
     (dq_acc,) = refs
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
-    visible = spec.block_may_see(q_block, kv_block)
+    visible = spec.blocks.visible(q_block, kv_block, jnp)
 
     @pl.when(kv_block == 0)
     def _init():
@@ -109,7 +109,7 @@ def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(spec.block_may_see(q_block, kv_block))
+    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
         q, do = q_ref[...], do_ref[...]
         p, _, dlogits = _tile_gradients(
@@ -161,8 +161,11 @@ def dkv_call(spec: KernelSpec):
     """
     bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
 
-    def q_map(b, hk, j, t, seed):  # t walks (query head in the group, query block)
-        return b, hk * g + t // nq, spec.clamp_q_block(j, t % nq), 0
+    def q_block(j, t):  # t walks (query head in the group, query block); skipped steps re-use a fetched block
+        return spec.blocks.fetched_q_block(j, t % nq, jnp)
+
+    def q_map(b, hk, j, t, seed):
+        return b, hk * g + t // nq, q_block(j, t), 0
 
     def kv_map(b, hk, j, t, seed):
         return b, hk, j, 0
@@ -174,12 +177,11 @@ def dkv_call(spec: KernelSpec):
                 pl.BlockSpec((None, None, bq, LANES), q_map),
                 pl.BlockSpec((None, None, bq, LANES), q_map)]
     if spec.has_segments:
-        in_specs += [pl.BlockSpec((None, bq, LANES),
-                                  lambda b, hk, j, t, seed: (b, spec.clamp_q_block(j, t % nq), 0)),
+        in_specs += [pl.BlockSpec((None, bq, LANES), lambda b, hk, j, t, seed: (b, q_block(j, t), 0)),
                      pl.BlockSpec((None, SUBLANES, bkv), lambda b, hk, j, t, seed: (b, 0, j))]
     if spec.bias_shape is not None:
         in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, hk, j, t, seed: spec.bias_index(
-            b, hk * g + t // nq, spec.clamp_q_block(j, t % nq), j)))
+            b, hk * g + t // nq, q_block(j, t), j)))
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
     return launcher(
         functools.partial(dkv_kernel, spec=spec),

@@ -14,11 +14,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
-from ..config import LANES, SUBLANES  # noqa: F401  (re-exported for the kernel builders)
+from ..config import LANES, SUBLANES
+from .block_geometry import BlockGeometry
 
 # Per-row values (lse, delta, q segment ids) travel lane-broadcast as (rows, LANES);
 # per-column values (kv segment ids) sublane-broadcast as (SUBLANES, cols).
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,38 +63,11 @@ class KernelSpec:
     def num_kv_blocks(self) -> int:
         return self.kv_pad // self.block_kv
 
-    def block_may_see(self, q_block, kv_block):
-        """False for blocks that are fully masked by causal/window/padding: skipped."""
-        q_start = q_block * self.block_q
-        q_stop = jnp.minimum(q_start + self.block_q, self.q_len)
-        kv_start = kv_block * self.block_kv
-        return (q_start < self.q_len) & masks.block_may_see(
-            q_start, q_stop, kv_start, kv_start + self.block_kv,
-            q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
-
-    def clamp_kv_block(self, q_block, kv_block):
-        """The kv block to fetch: skipped blocks re-use a visible neighbour, so no DMA is issued."""
-        shift = self.kv_len - self.q_len
-        q_start = q_block * self.block_q
-        q_last = jnp.minimum(q_start + self.block_q, self.q_len) - 1
-        first, last = 0, (self.kv_len - 1) // self.block_kv
-        if self.left is not None:
-            first = jnp.maximum(0, (q_start + shift - self.left) // self.block_kv)
-        if self.right is not None:
-            last = jnp.minimum(last, jnp.maximum(0, (q_last + shift + self.right) // self.block_kv))
-        return jnp.minimum(jnp.maximum(kv_block, first), jnp.maximum(first, last))
-
-    def clamp_q_block(self, kv_block, q_block):
-        """The q block to fetch in the dk/dv kernel, clamped like :meth:`clamp_kv_block`."""
-        shift = self.kv_len - self.q_len
-        kv_start = kv_block * self.block_kv
-        kv_last = kv_start + self.block_kv - 1
-        first, last = 0, (self.q_len - 1) // self.block_q
-        if self.right is not None:
-            first = jnp.maximum(0, (kv_start - shift - self.right) // self.block_q)
-        if self.left is not None:
-            last = jnp.minimum(last, jnp.maximum(0, (kv_last - shift + self.left) // self.block_q))
-        return jnp.minimum(jnp.maximum(q_block, first), jnp.maximum(first, last))
+    @property
+    def blocks(self) -> BlockGeometry:
+        """Which tiles are computed and which blocks the index maps fetch (``xp``: jax.numpy in the kernels)."""
+        return BlockGeometry(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q, block_kv=self.block_kv,
+                             left=self.left, right=self.right)
 
     def bias_block(self, block_q, block_kv):
         """Block shape of the bias: broadcast (size-1) dims stay 1."""
@@ -131,10 +104,11 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
         s = s + bias.astype(jnp.float32)
     rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
     cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
-    keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=spec.left, right=spec.right)
-    keep = keep & (rows < spec.q_len)  # padded query rows see nothing, so their lse is -inf
     if q_ids is not None:
-        keep = keep & (q_ids[:, :1] == kv_ids[:1, :])
+        q_ids, kv_ids = q_ids[:, :1], kv_ids[:1, :]  # (block_q, 1), (1, block_kv): one lane, one sublane
+    # Padded query rows see nothing, so their lse is -inf.
+    keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=spec.left, right=spec.right,
+                         q_ids=q_ids, kv_ids=kv_ids)
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
 
@@ -165,7 +139,7 @@ def q_grid_maps(spec: KernelSpec):
         return b, h, i, 0
 
     def kv_map(b, h, i, j, seed):
-        return b, h // spec.groups, spec.clamp_kv_block(i, j), 0
+        return b, h // spec.groups, spec.blocks.fetched_kv_block(i, j, jnp), 0
 
     return q_map, kv_map
 
@@ -173,13 +147,17 @@ def q_grid_maps(spec: KernelSpec):
 def q_grid_mask_specs(spec: KernelSpec) -> list:
     """Segment id and bias block specs for a (batch, q_heads, q_blocks, kv_blocks) grid."""
     bq, bkv = spec.block_q, spec.block_kv
+
+    def kv_block(i, j):  # the key block kv_map fetches
+        return spec.blocks.fetched_kv_block(i, j, jnp)
+
     specs = []
     if spec.has_segments:
         specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
-                  pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, i, j, seed: (b, 0, spec.clamp_kv_block(i, j)))]
+                  pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, i, j, seed: (b, 0, kv_block(i, j)))]
     if spec.bias_shape is not None:
-        specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, h, i, j, seed: spec.bias_index(
-            b, h, i, spec.clamp_kv_block(i, j))))
+        specs.append(pl.BlockSpec(spec.bias_block(bq, bkv),
+                                  lambda b, h, i, j, seed: spec.bias_index(b, h, i, kv_block(i, j))))
     return specs
 
 

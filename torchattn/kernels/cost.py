@@ -2,25 +2,28 @@
 
 XLA cannot see inside a ``pallas_call``: without an estimate its cost analysis
 counts nothing for the kernel and its scheduler cannot overlap work around it.
-Everything is counted on the host in NumPy from the static :class:`KernelSpec`
-(the block grid is static), for one launch, i.e. over every batch and head:
+Everything is counted on the host from the static :class:`KernelSpec` (the
+block grid is static), for one launch, i.e. over every batch and head. In NumPy:
+jax must not run ops on the host next to torch_xla (on a TPU VM it would open
+the TPU), so the kernels' own block geometry (``KernelSpec.blocks``, see
+:mod:`.block_geometry`) runs here with ``xp=numpy``.
 
 - flops: matmuls of the (q block, kv block) tiles the kernel does not skip
-  (``KernelSpec.block_may_see``: causal, window and padding skipping; segment
-  ids are data and never skip a tile), ``2 * block_q * block_kv * head_dim``
-  each (head_dim as padded to 128 lanes): forward 2 (q k^T, p v), dq 3 (q k^T,
-  do v^T, ds k), dk/dv 4 (q k^T, do v^T, p^T do, ds^T q). Elementwise work
-  (softmax, masks, bias, dropout) is not counted.
+  (causal, window and padding skipping; segment ids are data and never skip a
+  tile), ``2 * block_q * block_kv * head_dim`` each (head_dim as padded to 128
+  lanes): forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (q k^T,
+  do v^T, p^T do, ds^T q). Elementwise work (softmax, masks, bias, dropout) is
+  not counted.
 - transcendentals: per visited tile, exp of every score, and tanh of every
   score with softcap; the forward also the exp of the rescale factor per row of
   a visited tile, and the log per query row at the end.
 - bytes_accessed: HBM bytes the Pallas pipeline moves. An input block is
   fetched at each grid step whose block index differs from the previous step's;
-  a skipped tile's index map points at the nearest visible block of its row (or
-  column, in the dk/dv kernel), so skipping costs no DMA. An output block is
-  written each time its index changes. The bias is float32. Approximations: a
-  row (column) with no visible tile is counted as fetching nothing for it, and
-  the split of parallel grid axes across TensorCores (v4, v5p) is ignored.
+  the block indices are the index maps' own: a skipped tile's points at the
+  nearest visible block of its row (or column, in the dk/dv kernel), so
+  skipping costs no DMA. An output block is written each time its index
+  changes. The bias is float32. Approximation: the split of parallel grid axes
+  across TensorCores (v4, v5p) is ignored.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from .. import masks
 from ..config import LANES, SUBLANES
 from .common import KernelSpec
 
@@ -73,21 +75,6 @@ def dkv_cost(spec: KernelSpec) -> pl.CostEstimate:
     return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0, bytes_accessed=moved)
 
 
-def _visible_tiles(spec: KernelSpec) -> np.ndarray:
-    """bool (q_blocks, kv_blocks): the tiles the kernels compute (``KernelSpec.block_may_see``).
-
-    In NumPy: the spec's own version is jax, and jax must not run ops on the
-    host next to torch_xla (on a TPU VM it would try to open the TPU).
-    """
-    q_start = np.arange(spec.num_q_blocks)[:, None] * spec.block_q
-    kv_start = np.arange(spec.num_kv_blocks)[None, :] * spec.block_kv
-    q_stop = np.minimum(q_start + spec.block_q, spec.q_len)
-    may = (q_start < spec.q_len) & masks.block_may_see(
-        q_start, q_stop, kv_start, kv_start + spec.block_kv,
-        q_len=spec.q_len, kv_len=spec.kv_len, left=spec.left, right=spec.right)
-    return np.broadcast_to(may, (spec.num_q_blocks, spec.num_kv_blocks))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Grid:
     """The order a kernel walks its grid in: ``slices`` outer (batch, head) slices, each the same inner steps.
@@ -109,23 +96,21 @@ class _Grid:
     @classmethod
     def of_q_grid(cls, spec: KernelSpec) -> "_Grid":
         """(batch, q_heads, q_blocks, kv_blocks): kv blocks of skipped tiles are clamped."""
-        visible = _visible_tiles(spec)
         batch, head = (a.ravel() for a in np.indices((spec.batch, spec.q_heads)))
-        q_block, kv_block = (a.ravel() for a in np.indices(visible.shape))
+        q_block, kv_block = (a.ravel() for a in np.indices((spec.num_q_blocks, spec.num_kv_blocks)))
         return cls(batch=batch, head=head, kv_head=head // spec.groups, group=np.zeros_like(q_block),
-                   q_block=q_block, kv_block=_clamped_to_visible(visible)[q_block, kv_block],
-                   visible=visible.ravel())
+                   q_block=q_block, kv_block=spec.blocks.fetched_kv_block(q_block, kv_block, np),
+                   visible=spec.blocks.visible(q_block, kv_block, np))
 
     @classmethod
     def of_kv_grid(cls, spec: KernelSpec) -> "_Grid":
         """(batch, kv_heads, kv_blocks, groups * q_blocks): q blocks of skipped tiles are clamped."""
-        visible = _visible_tiles(spec).T  # (kv_blocks, q_blocks)
         batch, kv_head = (a.ravel() for a in np.indices((spec.batch, spec.kv_heads)))
         kv_block, group, q_block = (a.ravel() for a in np.indices((spec.num_kv_blocks, spec.groups,
                                                                    spec.num_q_blocks)))
         return cls(batch=batch, head=kv_head, kv_head=kv_head, group=group,
-                   q_block=_clamped_to_visible(visible)[kv_block, q_block], kv_block=kv_block,
-                   visible=visible[kv_block, q_block])
+                   q_block=spec.blocks.fetched_q_block(kv_block, q_block, np), kv_block=kv_block,
+                   visible=spec.blocks.visible(q_block, kv_block, np))
 
     def tiles_visited(self) -> int:
         return len(self.batch) * int(self.visible.sum())
@@ -157,15 +142,6 @@ def _changes(arrays: list, length: int) -> np.ndarray:
     for a in arrays:
         changed |= a[1:] != a[:-1]
     return changed
-
-
-def _clamped_to_visible(visible: np.ndarray) -> np.ndarray:
-    """Per tile, the block along the last axis its index map fetches: itself when visible, else the nearest
-    visible one of its row (the kernels' ``clamp_*_block``; visible tiles of a row are contiguous)."""
-    seen = visible.any(axis=1)
-    first = np.where(seen, visible.argmax(axis=1), 0)
-    last = np.where(seen, visible.shape[1] - 1 - visible[:, ::-1].argmax(axis=1), 0)
-    return np.clip(np.arange(visible.shape[1])[None, :], first[:, None], last[:, None])
 
 
 def _q_block_bytes(spec: KernelSpec) -> tuple[int, int]:

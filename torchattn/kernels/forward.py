@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .common import LANES, KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
+from ..config import LANES
+from .common import KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
 from .cost import forward_cost
 
 
@@ -35,7 +36,7 @@ def forward_kernel(seed_ref, *refs, spec: KernelSpec):
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(spec.block_may_see(q_block, kv_block))
+    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
         s, _, _ = block_scores(spec, q_ref[...], k_ref[...], q_block, kv_block, load(q_ids_ref),
                                load(kv_ids_ref), load(bias_ref))  # s: (block_q, block_kv)

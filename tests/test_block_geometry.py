@@ -1,0 +1,147 @@
+"""torchattn.kernels.block_geometry against an element-level walk of flash_attention's documented mask.
+
+Which tiles the kernels compute and which block each index map fetches decide
+what a TPU computes and moves: a wrong clamp is a silently wrong DMA, so every
+(q_len, kv_len, block_q, block_kv, causal, window) combination below is checked
+tile by tile and step by step. The truth is ``brute_force.sees`` (written from
+the docstring) over every (query, key) pair; the geometry runs in NumPy, as on
+the host for the cost estimate, and a sample also in jax.numpy, as in the
+kernels' index maps. CPU only, no compiler.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+from brute_force import sees
+from torchattn import masks
+from torchattn.kernels.block_geometry import BlockGeometry
+
+LENGTHS = (1, 7, 16, 33)  # q_len != kv_len both ways, non-multiples of every block, shorter than a block
+BLOCKS = (3, 8, 16, 64)
+WINDOWS = [None] + list(itertools.product((None, 0, 1, 5, 17), (None, 0, 2, 9)))
+MASKS = list(itertools.product((False, True), WINDOWS))  # (causal, window)
+MASK_IDS = [f"causal={causal}-window={window}" for causal, window in MASKS]
+
+
+@functools.lru_cache(maxsize=None)
+def pairs_seen(q_len: int, kv_len: int, causal: bool, window) -> np.ndarray:
+    """bool (q_len, kv_len): query i sees key j, pair by pair from the docstring's rule."""
+    return np.array([[sees(i, j, q_len=q_len, kv_len=kv_len, causal=causal, window=window, q_id=None, kv_id=None)
+                      for j in range(kv_len)] for i in range(q_len)], dtype=bool).reshape(q_len, kv_len)
+
+
+def tiles_seen(seen: np.ndarray, block_q: int, block_kv: int) -> np.ndarray:
+    """bool (q_blocks, kv_blocks): the tile holds at least one visible pair."""
+    q_blocks, kv_blocks = -(-seen.shape[0] // block_q), -(-seen.shape[1] // block_kv)
+    return np.array([[seen[i * block_q:(i + 1) * block_q, j * block_kv:(j + 1) * block_kv].any()
+                      for j in range(kv_blocks)] for i in range(q_blocks)], dtype=bool).reshape(q_blocks, kv_blocks)
+
+
+def geometry(q_len, kv_len, block_q, block_kv, causal, window) -> BlockGeometry:
+    left, right = masks.diagonal_bounds(causal, window)
+    return BlockGeometry(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, left=left, right=right)
+
+
+def combinations(causal, window):
+    """(geometry, tiles seen) for every length and block size with this mask."""
+    for q_len, kv_len, block_q, block_kv in itertools.product(LENGTHS, LENGTHS, BLOCKS, BLOCKS):
+        yield (geometry(q_len, kv_len, block_q, block_kv, causal, window),
+               tiles_seen(pairs_seen(q_len, kv_len, causal, window), block_q, block_kv))
+
+
+def check_fetch_walk(fetched: np.ndarray, seen: np.ndarray, what: str):
+    """One row of tiles walked step by step: ``fetched[step]`` is the block its index maps ask for.
+
+    Every fetch is a real block. A row that sees some tile fetches only tiles it
+    sees, each seen tile at its own step, and never goes back, so a skipped step
+    repeats the previous index (no DMA); a row that sees nothing fetches one block.
+    """
+    steps = len(seen)
+    assert ((0 <= fetched) & (fetched < steps)).all(), f"{what}: fetch outside [0, {steps}): {fetched}"
+    if not seen.any():
+        assert (fetched == fetched[0]).all(), f"{what}: sees nothing but walks {fetched}"
+        return
+    assert seen[fetched].all(), f"{what}: fetches unseen blocks: {fetched}, seen {seen.astype(int)}"
+    own = np.arange(steps)
+    assert (fetched[seen] == own[seen]).all(), f"{what}: seen steps fetch other blocks: {fetched}"
+    assert (np.diff(fetched) >= 0).all(), f"{what}: goes back to a block it moved past: {fetched}"
+    dmas = 1 + np.count_nonzero(np.diff(fetched))  # the pipeline fetches when the index changes
+    assert dmas == seen.sum(), f"{what}: {dmas} fetches for {seen.sum()} seen blocks: {fetched}"
+
+
+@pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
+def test_tile_visible_iff_it_holds_a_visible_pair(causal, window):
+    for g, seen in combinations(causal, window):
+        q_block, kv_block = np.indices(seen.shape)
+        got = np.broadcast_to(g.visible(q_block, kv_block, np), seen.shape)
+        assert (got == seen).all(), f"{g}: visible\n{got.astype(int)}\nbrute force\n{seen.astype(int)}"
+
+
+@pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
+def test_forward_and_dq_fetch_only_visible_key_blocks_in_order(causal, window):
+    for g, seen in combinations(causal, window):
+        q_block, kv_step = np.indices(seen.shape)
+        fetched = np.broadcast_to(g.fetched_kv_block(q_block, kv_step, np), seen.shape)
+        for i in range(seen.shape[0]):
+            check_fetch_walk(fetched[i], seen[i], f"{g}, q block {i}")
+
+
+@pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
+def test_dkv_fetches_only_visible_query_blocks_in_order(causal, window):
+    for g, seen in combinations(causal, window):
+        kv_block, q_step = np.indices(seen.T.shape)
+        fetched = np.broadcast_to(g.fetched_q_block(kv_block, q_step, np), seen.T.shape)
+        for j in range(seen.shape[1]):
+            check_fetch_walk(fetched[j], seen[:, j], f"{g}, kv block {j}")
+
+
+def test_the_combinations_cover_the_hard_cases():
+    """Rows and columns of tiles that see nothing (causal with q_len > kv_len, and the transpose),
+    windows that hide whole blocks before and after a row's visible run, blocks longer than the sequence."""
+    cases = [(g, seen) for causal, window in MASKS for g, seen in combinations(causal, window)]
+    rows = [row for _, seen in cases for row in seen]
+    columns = [column for _, seen in cases for column in seen.T]
+    assert any(not row.any() for row in rows) and any(not column.any() for column in columns)
+    assert any(row.any() and not row[0] for row in rows)  # fetches clamp up to the run's first block
+    assert any(row.any() and not row[-1] for row in rows)  # and down to its last
+    assert any(column.any() and not column[0] for column in columns)
+    assert any(column.any() and not column[-1] for column in columns)
+    assert any(g.block_q > g.q_len and g.block_kv > g.kv_len for g, _ in cases)
+
+
+def test_jax_numpy_gives_the_same_blocks():
+    """The kernels run the geometry on traced jax integers: same answers as NumPy on a sample."""
+    jnp = pytest.importorskip("jax.numpy")
+    for causal, window in [(True, None), (False, (5, 2)), (True, (1, None)), (False, (None, 0))]:
+        for q_len, kv_len, block_q, block_kv in [(33, 7, 8, 3), (7, 33, 3, 16), (16, 16, 8, 8), (33, 16, 64, 8)]:
+            g = geometry(q_len, kv_len, block_q, block_kv, causal, window)
+            q_block, kv_block = np.indices((-(-q_len // block_q), -(-kv_len // block_kv)), dtype=np.int32)
+            for name, method, first, second in [("visible", g.visible, q_block, kv_block),
+                                                ("fetched_kv_block", g.fetched_kv_block, q_block, kv_block),
+                                                ("fetched_q_block", g.fetched_q_block, kv_block.T, q_block.T)]:
+                with_numpy = np.broadcast_to(method(first, second, np), first.shape)
+                with_jax = np.broadcast_to(np.asarray(method(jnp.asarray(first), jnp.asarray(second), jnp)),
+                                           first.shape)
+                assert np.array_equal(with_numpy, with_jax), f"{g}.{name}: {with_numpy} != {with_jax}"
+
+
+def test_element_mask_padding_and_segments():
+    """masks.visible, which the kernels' tiles and the other backends use per pair: the docstring's
+    rule, padded rows and columns see nothing, and only equal segment ids meet."""
+    q_len, kv_len, pad = 7, 11, 3
+    rng = np.random.default_rng(0)
+    q_ids, kv_ids = rng.integers(0, 3, q_len + pad), rng.integers(0, 3, kv_len + pad)
+    rows, cols = np.indices((q_len + pad, kv_len + pad))
+    for causal, window in MASKS:
+        left, right = masks.diagonal_bounds(causal, window)
+        got = masks.visible(rows, cols, q_len=q_len, kv_len=kv_len, left=left, right=right,
+                            q_ids=q_ids[:, None], kv_ids=kv_ids[None, :])
+        want = np.zeros_like(got)
+        want[:q_len, :kv_len] = [[sees(i, j, q_len=q_len, kv_len=kv_len, causal=causal, window=window,
+                                       q_id=q_ids[i], kv_id=kv_ids[j]) for j in range(kv_len)] for i in range(q_len)]
+        assert (got == want).all(), f"causal={causal}, window={window}"

@@ -1,0 +1,83 @@
+"""The visible band on (block_q x block_kv) tiles: which tiles the kernels compute, which blocks they fetch.
+
+A tile none of whose (query, key) pairs is visible (:func:`torchattn.masks.visible`
+without segment ids, which are data) is skipped: its compute sits under
+``pl.when`` and its index map fetches a block already in VMEM, so it costs no
+DMA either. The same code runs in the kernels' index maps and ``pl.when``
+(``xp=jax.numpy``, traced block indices) and on the host in NumPy (``xp=numpy``,
+for the cost estimate): ``xp`` is the array module whose ``minimum`` and
+``maximum`` to use.
+
+Block indices run over ``ceil(length / block)`` blocks per axis, so every block
+holds at least one real query or key. ``left`` and ``right`` are >= 0 or None,
+as :func:`torchattn.masks.diagonal_bounds` gives them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import masks
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGeometry:
+    """Block sizes of one kernel launch laid over its visible band.
+
+    Rows of tiles are query blocks; :meth:`transposed` swaps queries and keys,
+    which is how the dk/dv kernel, walking query blocks for each key block,
+    shares the same code.
+    """
+
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_kv: int
+    left: int | None
+    right: int | None
+
+    def transposed(self) -> "BlockGeometry":
+        """Keys as rows: key j, on the diagonal at j' = j + (q_len - kv_len), sees query i iff
+        j' - right <= i <= j' + left: the same band, its sides swapped."""
+        return BlockGeometry(q_len=self.kv_len, kv_len=self.q_len, block_q=self.block_kv, block_kv=self.block_q,
+                             left=self.right, right=self.left)
+
+    def visible(self, q_block, kv_block, xp):
+        """Whether some (query, key) pair of the tile is visible; False tiles are skipped."""
+        first, last = self._keys_seen(q_block, xp)
+        kv_start = kv_block * self.block_kv  # the tile's keys [kv_start, kv_start + block_kv) meet [first, last]
+        return (first < kv_start + self.block_kv) & (kv_start <= last)
+
+    def fetched_kv_block(self, q_block, kv_block, xp):
+        """The key block the index maps of query block ``q_block`` fetch at kv step ``kv_block``.
+
+        Steps inside the visible run of key blocks fetch their own block; steps
+        before it fetch its first block and steps after it its last, so a
+        skipped step repeats the previous index and issues no DMA. A query block
+        that sees nothing fetches one block throughout.
+        """
+        first, last = self._keys_seen(q_block, xp)
+        first_block = first // self.block_kv
+        last_block = xp.maximum(first_block, last // self.block_kv)  # last < 0 when nothing is seen
+        return xp.minimum(xp.maximum(kv_block, first_block), last_block)
+
+    def fetched_q_block(self, kv_block, q_block, xp):
+        """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``q_block``."""
+        return self.transposed().fetched_kv_block(kv_block, q_block, xp)
+
+    def _keys_seen(self, q_block, xp):
+        """(first, last) key some query of the block sees, within [0, kv_len) unless last < 0: none is.
+
+        Each query sees a run of left + right + 1 keys one further than its
+        predecessor's, so together the block's queries see one run: from the
+        first query's first key to the last query's last key. Only a run that
+        ends left of key 0 can be empty: the first query's first key is at most
+        its diagonal position, itself at most kv_len - 1.
+        """
+        q_start = q_block * self.block_q
+        q_last = xp.minimum(q_start + self.block_q, self.q_len) - 1
+        first, _ = masks.band(q_start, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+        _, last = masks.band(q_last, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+        first = 0 if first is None else xp.maximum(first, 0)
+        last = self.kv_len - 1 if last is None else xp.minimum(last, self.kv_len - 1)
+        return first, last

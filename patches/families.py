@@ -40,12 +40,12 @@ VERIFIED = (
     Family("LayoutLMv3", "layoutlmv3", Route.INTERFACE,
            ("bidirectional", "1-D + 2-D relative position bias (dense)", "padding", "packing (cu_seq_lens)",
             "dropout")),
-    Family("LiLT", "lilt", Route.ADAPTER, ("bidirectional", "text + layout streams share one score matrix",
-                                            "padding", "dropout"), adapter="lilt",
+    Family("LiLT", "lilt", Route.ADAPTER,
+           ("bidirectional", "text + layout streams share one score matrix", "padding", "dropout"), adapter="lilt",
            not_served=("packing: LiltModel.forward drops its **kwargs, so neither cu_seq_lens_q/k nor "
                        "position_ids reach the attention",)),
-    Family("MPNet", "mpnet", Route.ADAPTER, ("bidirectional", "relative position bias (dense, trained)",
-                                              "padding", "dropout"), adapter="mpnet",
+    Family("MPNet", "mpnet", Route.ADAPTER,
+           ("bidirectional", "relative position bias (dense, trained)", "padding", "dropout"), adapter="mpnet",
            not_served=("packing: MPNetModel.forward drops its **kwargs, so neither cu_seq_lens_q/k nor "
                        "position_ids reach the attention",)),
     Family("RoFormer", "roformer", Route.ADAPTER, ("bidirectional", "rotary q/k (and v)", "padding", "dropout"),

@@ -37,7 +37,10 @@ def test_func_grad_matches_autograd(backend, device):
 @pytest.mark.parametrize("backend", BLOCKWISE)
 def test_vmap_is_refused_plainly(backend, device):
     q, k, v = (t.expand(3, *t.shape[1:]) for t in _qkv(device))
-    attention = lambda q, k, v: torchattn.flash_attention(q[None], k[None], v[None], backend=backend)[0]
+
+    def attention(q, k, v):
+        return torchattn.flash_attention(q[None], k[None], v[None], backend=backend)[0]
+
     with pytest.raises(NotImplementedError, match=r"torch\.vmap over torchattn\.flash_attention is not supported "
                                                   rf"on the {backend!r} backend"):
         torch.vmap(attention)(q, k, v)

@@ -13,7 +13,6 @@ import torch
 
 import torchattn
 from torchattn.dropout import dropout_mask
-from torchattn.reference import attention_reference
 
 # 4 * 4 * 256 * 256 = 2**20 elements per mask.
 BIG = dict(batch=4, q_heads=4, q_len=256, kv_len=256)

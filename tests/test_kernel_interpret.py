@@ -7,7 +7,7 @@ import torch
 
 import torchattn
 from matrix import pairwise_cases
-from numerics import Case, check_backend
+from numerics import check_backend
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -93,7 +93,10 @@ def test_dropout_masks_agree_with_helper_forward_and_backward(device):
 
 def test_dropout_same_seed_same_output_new_seed_new_output(device):
     q, k, v = (torch.randn(1, 2, 64, 32, device=device) for _ in range(3))
-    run = lambda s: torchattn.flash_attention(q, k, v, dropout_p=0.3, dropout_seed=s, backend=BACKEND).cpu()
+
+    def run(seed):
+        return torchattn.flash_attention(q, k, v, dropout_p=0.3, dropout_seed=seed, backend=BACKEND).cpu()
+
     a, b, c = run(1), run(1), run(2)
     assert torch.equal(a, b)
     assert not torch.allclose(a, c)

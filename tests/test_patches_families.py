@@ -101,8 +101,8 @@ def test_tiny_models_keep_what_makes_each_family_different():
     """A config typo would silently drop a feature (Qwen2 ignores sliding_window without
     use_sliding_window, for one) and the comparisons below would test less than they say."""
     configs = {f: H.config(f) for f in FAMILIES}
-    assert configs["ModernBERT"].layer_types == configs["Qwen2"].layer_types == ["full_attention",
-                                                                                  "sliding_attention"]
+    assert configs["ModernBERT"].layer_types == ["full_attention", "sliding_attention"]
+    assert configs["Qwen2"].layer_types == ["full_attention", "sliding_attention"]
     assert configs["Gemma 2"].layer_types == ["sliding_attention", "full_attention"]
     assert configs["ModernBERT"].local_attention == 4
     assert {configs[f].sliding_window for f in ("Qwen2", "Mistral", "Gemma 2")} == {4}

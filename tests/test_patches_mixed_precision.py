@@ -43,8 +43,8 @@ def _step(model, batch, weights, autocast_device):
     return {"out": out.detach().float().cpu() * batch.valid[..., None].cpu(), **grads}
 
 
-@pytest.mark.parametrize("device_type,backend", [("cpu", "reference"), ("cpu", "sdpa"), ("xla", "xla"),
-                                                ("xla", "interpret")])
+@pytest.mark.parametrize("device_type,backend",
+                         [("cpu", "reference"), ("cpu", "sdpa"), ("xla", "xla"), ("xla", "interpret")])
 def test_training_step_under_bf16_autocast_matches_eager(device_type, backend, device):
     batch = H.padded_batch("Llama", SEQ)
     weights = torch.randn(2, SEQ, 64, generator=torch.Generator().manual_seed(3))

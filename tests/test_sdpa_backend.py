@@ -36,7 +36,7 @@ FEATURES = {
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda l: f"{l[0]}x{l[1]}")
+@pytest.mark.parametrize("lengths", LENGTHS, ids=lambda lengths: f"{lengths[0]}x{lengths[1]}")
 @pytest.mark.parametrize("feature", FEATURES)
 def test_sdpa_matches_reference(feature, lengths, dtype):
     q_len, kv_len = lengths

@@ -28,8 +28,8 @@ def _inputs(cross: bool, dtype=torch.float64):
 
 def _expected(q, k, v, ids):
     """The float64 reference on small ids that the test relabels by hand (equal stays equal)."""
-    small = {value: label for label, value in enumerate(sorted(set(Q_IDS.flatten().tolist())
-                                                                | set(KV_IDS.flatten().tolist())))}
+    values = set(Q_IDS.flatten().tolist()) | set(KV_IDS.flatten().tolist())
+    small = {value: label for label, value in enumerate(sorted(values))}
     relabel = {name: t.clone().apply_(small.get) for name, t in ids.items()}
     if "kv_segment_ids" not in relabel:
         relabel["kv_segment_ids"] = relabel["segment_ids"]

@@ -21,7 +21,6 @@ jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")
 
 from jax import export  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 from torchattn.aot import argument_structs  # noqa: E402
 from torchattn.kernels.backward import dkv_call, dq_call  # noqa: E402

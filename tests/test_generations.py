@@ -63,7 +63,7 @@ def test_unknown_generation_is_refused_naming_the_choices():
 
 def test_off_tpu_defaults_do_not_depend_on_a_generation(device):
     q = torch.randn(1, 2, 4096, 128, device=device)
-    assert _validate(q, q, q, *_DEFAULTS).resolved_block_sizes() == BlockSizes(512, 512, 512, 512)
+    assert _validate(q, q, q, *_DEFAULTS).options.block_sizes == BlockSizes(512, 512, 512, 512)
     assert devices.tpu_generation(device) is None
 
 
@@ -86,7 +86,7 @@ def test_calls_on_a_tpu_take_its_generation_s_blocks_and_vmem_limit(tpu_of_kind,
     tpu_of_kind(name)
     q = torch.randn(1, 4, 4096, 128, device=device, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, 4096, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
-    assert _validate(q, k, v, *_DEFAULTS).resolved_block_sizes() == BlockSizes(*generations.get(name).blocks)
+    assert _validate(q, k, v, *_DEFAULTS).options.block_sizes == BlockSizes(*generations.get(name).blocks)
 
     payloads = []
     real = internals.mosaic_payload

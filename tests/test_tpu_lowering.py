@@ -41,7 +41,8 @@ def _spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len
     bias_t = {None: None, "full": torch.empty(2, q_heads, q_len, kv_len, device="meta"),
               "broadcast": torch.empty(1, q_heads, 1, kv_len, device="meta")}[bias]
     ids = torch.empty(2, q_len, device="meta", dtype=torch.int32) if segments else None
-    options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p)
+    options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p,
+                      block_sizes=BlockSizes.default(q_len, kv_len, head_dim))  # _spec takes block_q, block_kv
     return launch._spec(q, k, bias_t, ids, options, block_q, block_kv, compiled=True)
 
 
@@ -93,11 +94,11 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
     k, v = (torch.randn(2, 2, 300, 64, device=device) for _ in range(2))
     bias = torch.randn(1, 4, 1, 300, device=device)
     seed = torch.tensor([5], device=device)
-    options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1)
     blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
-    out, lse = launch.forward(q, k, v, None, None, bias, seed, options, blocks, compiled=True)
+    options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1, block_sizes=blocks)
+    out, lse = launch.forward(q, k, v, None, None, bias, seed, options, compiled=True)
     grads = launch.backward(torch.ones_like(out), torch.zeros_like(lse), q, k, v, out, lse, None, None, bias,
-                            seed, options, blocks, True, compiled=True)
+                            seed, options, True, compiled=True)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     del out, lse, grads  # never synced: XLA:CPU cannot execute these

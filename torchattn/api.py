@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import numbers
 
 import torch
 
-from . import backends, segments
+from . import backends, devices, segments
 from .config import BlockSizes
 from .dropout import MASK32, seed_to_uint32
 from .request import Options, Request, accumulation_dtype
@@ -95,6 +96,10 @@ def flash_attention(
     return (out, lse) if return_lse else out
 
 
+_SIGNATURE = inspect.signature(flash_attention)
+_OPTION_NAMES = [name for name in _SIGNATURE.parameters if name not in ("q", "k", "v", "backend")]
+
+
 def explain(q, k, v, *, backend: str = "auto", **kwargs) -> backends.Choice:
     """Which backend :func:`flash_attention` would use for these arguments, and why.
 
@@ -102,17 +107,13 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> backends.Choice:
     chosen) and ``passed_over`` (name -> reason, for every other backend).
     Computes nothing.
     """
-    names = ("causal", "scale", "window", "segment_ids", "kv_segment_ids", "softcap", "bias",
-             "dropout_p", "dropout_seed", "return_lse", "block_sizes")
-    unknown = set(kwargs) - set(names)
+    unknown = sorted(set(kwargs) - set(_OPTION_NAMES))
     if unknown:
-        raise TypeError(f"explain: unexpected arguments {sorted(unknown)}; expected any of {list(names)}")
-    defaults = dict(causal=False, scale=None, window=None, segment_ids=None, kv_segment_ids=None,
-                    softcap=None, bias=None, dropout_p=0.0, dropout_seed=None, return_lse=False,
-                    block_sizes=None)
-    defaults.update(kwargs)
-    request = _validate(q, k, v, *(defaults[n] for n in names))
-    return backends.choose(request, backend)
+        raise TypeError(f"explain: unexpected arguments {unknown}; expected any of {_OPTION_NAMES}")
+    arguments = _SIGNATURE.bind(q, k, v, **kwargs)
+    arguments.apply_defaults()  # flash_attention's defaults, read from its signature
+    del arguments.arguments["backend"]
+    return backends.choose(_validate(**arguments.arguments), backend)
 
 
 # ---------------------------------------------------------------------------
@@ -161,14 +162,12 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
     bias = _check_bias(bias, q, k)
     seed = _check_dropout(dropout_p, dropout_seed, q.device)
     return_lse = _check_bool("return_lse", return_lse)
-    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
-        raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(block_sizes)}")
+    block_sizes = _resolve_block_sizes(block_sizes, q_len, kv_len, head_dim, q.device)
 
     options = Options(causal=causal, scale=scale, window=window, softcap=softcap,
-                      dropout_p=float(dropout_p))
+                      dropout_p=float(dropout_p), block_sizes=block_sizes)
     return Request(q=q, k=k, v=v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                   bias=bias, seed=seed, options=options, return_lse=return_lse,
-                   block_sizes=block_sizes)
+                   bias=bias, seed=seed, options=options, return_lse=return_lse)
 
 
 def _check_bool(name, value) -> bool:
@@ -241,6 +240,15 @@ def _check_bias(bias, q, k):
     if bias.dtype != q.dtype:  # the autograd cast returns the gradient in the bias's own dtype
         bias = bias.to(accumulation_dtype(q.dtype))
     return bias.reshape((1,) * (4 - len(shape)) + shape)
+
+
+def _resolve_block_sizes(block_sizes, q_len, kv_len, head_dim, device) -> BlockSizes:
+    """The caller's block sizes clamped to the lengths, or the default for the device's TPU generation."""
+    if block_sizes is None:
+        return BlockSizes.default(q_len, kv_len, head_dim, devices.tpu_generation(device))
+    if not isinstance(block_sizes, BlockSizes):
+        raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(block_sizes)}")
+    return block_sizes.clamped(q_len, kv_len)
 
 
 def _check_dropout(dropout_p, dropout_seed, device):

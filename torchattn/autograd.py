@@ -6,10 +6,13 @@ q, k, v, out and lse (never a q_len x kv_len matrix) and calls the backward op.
 The ops dispatch by name to a blockwise implementation: ``pallas``,
 ``interpret`` or ``xla``. Each implementation module provides
 
-    forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_sizes)
+    forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
         -> (out, lse)                    lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
     backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed,
-             options, block_sizes, bias_grad) -> (dq, dk, dv, dbias or None)
+             options, bias_grad) -> (dq, dk, dv, dbias or None)
+
+with ``options`` a :class:`torchattn.request.Options` (block sizes included). The ops
+take the options as typed schema arguments: ``Options`` converts to and from them.
 
 ``dlse`` is the gradient reaching lse (zeros when lse is unused); it enters the
 backward as ``delta = rowsum(do * out) - dlse``.
@@ -23,12 +26,10 @@ NotImplementedError saying so.
 from __future__ import annotations
 
 import importlib
-from typing import Optional
 
 import torch
 
 from . import internals
-from .config import BlockSizes
 from .request import Options, Request, accumulation_dtype
 
 
@@ -36,51 +37,39 @@ def _impl(name: str):
     return importlib.import_module(f"torchattn.backends.{name}")
 
 
-def _options(causal, scale, window_left, window_right, has_window, softcap, dropout_p) -> Options:
-    window = (window_left, window_right) if has_window else None
-    return Options(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=dropout_p)
+_OPTIONS = Options.op_schema()  # the static options as typed schema arguments, derived from Options' fields
 
 
-@torch.library.custom_op("torchattn::attention_forward", mutates_args=())
-def attention_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    segment_ids: Optional[torch.Tensor], kv_segment_ids: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor], seed: Optional[torch.Tensor],
-    impl: str, causal: bool, scale: float, window_left: Optional[int], window_right: Optional[int],
-    has_window: bool, softcap: Optional[float], dropout_p: float, block_sizes: list[int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    options = _options(causal, scale, window_left, window_right, has_window, softcap, dropout_p)
+@torch.library.custom_op(
+    "torchattn::attention_forward", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? kv_segment_ids, Tensor? bias, "
+           f"Tensor? seed, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
+def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
     return internals.functionalized(_impl(impl).forward, q, k, v, segment_ids, kv_segment_ids, bias, seed,
-                           options, BlockSizes(*block_sizes))
+                                    Options.from_op_arguments(options))
 
 
 @attention_forward.register_fake
-def _(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, causal, scale, window_left,
-      window_right, has_window, softcap, dropout_p, block_sizes):
+def _(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
-@torch.library.custom_op("torchattn::attention_backward", mutates_args=())
-def attention_backward(
-    do: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    out: torch.Tensor, lse: torch.Tensor,
-    segment_ids: Optional[torch.Tensor], kv_segment_ids: Optional[torch.Tensor],
-    bias: Optional[torch.Tensor], seed: Optional[torch.Tensor],
-    impl: str, causal: bool, scale: float, window_left: Optional[int], window_right: Optional[int],
-    has_window: bool, softcap: Optional[float], dropout_p: float, block_sizes: list[int],
-    bias_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    options = _options(causal, scale, window_left, window_right, has_window, softcap, dropout_p)
+@torch.library.custom_op(
+    "torchattn::attention_backward", mutates_args=(),
+    schema="(Tensor do, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? segment_ids, "
+           "Tensor? kv_segment_ids, Tensor? bias, Tensor? seed, str impl, bool bias_grad, "
+           f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl, bias_grad,
+                       *options):
     dq, dk, dv, dbias = internals.functionalized(_impl(impl).backward, do, dlse, q, k, v, out, lse, segment_ids,
-                                        kv_segment_ids, bias, seed, options, BlockSizes(*block_sizes),
-                                        bias_grad)
+                                                 kv_segment_ids, bias, seed, Options.from_op_arguments(options),
+                                                 bias_grad)
     # custom ops cannot return None: an empty tensor stands for "no bias gradient".
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @attention_backward.register_fake
-def _(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl, causal, scale,
-      window_left, window_right, has_window, softcap, dropout_p, block_sizes, bias_grad):
+def _(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl, bias_grad, *options):
     dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -111,19 +100,21 @@ class _BackwardFunction(torch.autograd.Function):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
+    """``options``: :meth:`Options.op_arguments`, passed through to the custom ops."""
+
     @staticmethod
-    def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static):
-        return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *static)
+    def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
+        return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static = inputs
+        q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed)
-        ctx.impl, ctx.static = impl, static
+        ctx.impl, ctx.options = impl, options
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, static):
+    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
         raise NotImplementedError(
             f"torch.vmap over torchattn.flash_attention is not supported on the {impl!r} backend: "
             "its kernels take exactly one batch dimension. Fold the mapped dimension into the batch "
@@ -137,18 +128,13 @@ class FlashAttentionFunction(torch.autograd.Function):
         # able to refuse a further backward.
         backward_op = _BackwardFunction.apply if torch.is_grad_enabled() else attention_backward
         dq, dk, dv, dbias = backward_op(dout, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids,
-                                        bias, seed, ctx.impl, *ctx.static, bias_grad)
-        return dq, dk, dv, None, None, dbias if bias_grad else None, None, None, None
+                                        bias, seed, ctx.impl, bias_grad, *ctx.options)
+        return (dq, dk, dv, None, None, dbias if bias_grad else None, None, None) + (None,) * len(ctx.options)
 
 
 def blockwise_attention(request: Request, impl: str):
     """Runs ``request`` on a blockwise implementation; returns (out, lse or None)."""
-    o = request.options
-    has_window = o.window is not None
-    left, right = o.window if has_window else (None, None)
-    blocks = request.resolved_block_sizes()
-    static = (o.causal, o.scale, left, right, has_window, o.softcap, o.dropout_p,
-              [blocks.block_q, blocks.block_kv, blocks.block_q_bwd, blocks.block_kv_bwd])
     out, lse = FlashAttentionFunction.apply(request.q, request.k, request.v, request.segment_ids,
-                                            request.kv_segment_ids, request.bias, request.seed, impl, static)
+                                            request.kv_segment_ids, request.bias, request.seed, impl,
+                                            *request.options.op_arguments())
     return out, (lse if request.return_lse else None)

@@ -6,7 +6,6 @@ import dataclasses
 
 import torch
 
-from . import devices
 from .config import BlockSizes
 from .masks import diagonal_bounds
 
@@ -17,12 +16,38 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _same(value):
+    return value
+
+
+def _sizes(block_sizes: BlockSizes) -> list[int]:  # not dataclasses.astuple: torch.compile cannot trace it
+    return [getattr(block_sizes, field.name) for field in dataclasses.fields(block_sizes)]
+
+
+# How a field of each annotation crosses the custom ops' boundary: (schema type, to the op, from the op).
+# A torch.library schema takes no tuples or dataclasses: they travel as lists.
+_OP_TYPES = {
+    "bool": ("bool", _same, _same),
+    "float": ("float", _same, _same),
+    "float | None": ("float?", _same, _same),
+    "tuple[int | None, int | None] | None": ("int?[]?", _same, lambda pair: None if pair is None else tuple(pair)),
+    "BlockSizes": ("int[]", _sizes, lambda sizes: BlockSizes(*sizes)),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """Static (hashable) options of one call; tensors live in :class:`Request`.
+    """Static (hashable) options of one call, validated by torchattn.api; tensors live in :class:`Request`.
+
+    The blockwise backends get them through two custom ops, whose schemas take typed
+    primitives: :meth:`op_schema`, :meth:`op_arguments` and :meth:`from_op_arguments`
+    derive that form from the fields below, so a new option is a new field (of a type
+    in ``_OP_TYPES``) and nothing else here.
 
     window: (left, right) band around the bottom-right diagonal, None = unbounded.
     softcap: logits -> softcap * tanh(logits / softcap), None = off.
+    block_sizes: resolved for this call: the caller's clamped to the lengths, or the
+        default for the device's TPU generation (see ``BlockSizes.default``).
     """
 
     causal: bool
@@ -30,11 +55,27 @@ class Options:
     window: tuple[int | None, int | None] | None
     softcap: float | None
     dropout_p: float
+    block_sizes: BlockSizes
 
     @property
     def bounds(self) -> tuple[int | None, int | None]:
         """(left, right) limits of the visible band, causal folded in."""
         return diagonal_bounds(self.causal, self.window)
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """The fields as custom-op schema arguments: "bool causal, float scale, ..."."""
+        return ", ".join(f"{_OP_TYPES[field.type][0]} {field.name}" for field in dataclasses.fields(cls))
+
+    def op_arguments(self) -> tuple:
+        """The fields as the custom ops take them, in :meth:`op_schema`'s order."""
+        # A list, not a generator: torch.compile traces this and cannot trace generators.
+        return tuple([_OP_TYPES[field.type][1](getattr(self, field.name)) for field in dataclasses.fields(self)])
+
+    @classmethod
+    def from_op_arguments(cls, arguments) -> Options:
+        """Inverse of :meth:`op_arguments`."""
+        return cls(*[_OP_TYPES[field.type][2](value) for field, value in zip(dataclasses.fields(cls), arguments)])
 
 
 @dataclasses.dataclass
@@ -57,7 +98,6 @@ class Request:
     seed: torch.Tensor | None
     options: Options
     return_lse: bool
-    block_sizes: BlockSizes | None
 
     @property
     def batch(self) -> int:
@@ -90,10 +130,3 @@ class Request:
     @property
     def device(self) -> torch.device:
         return self.q.device
-
-    def resolved_block_sizes(self) -> BlockSizes:
-        """The caller's block sizes or the default for this device's TPU generation, clamped
-        to this call's lengths."""
-        if self.block_sizes is None:
-            return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, devices.tpu_generation(self.device))
-        return self.block_sizes.clamped(self.q_len, self.kv_len)

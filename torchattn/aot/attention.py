@@ -32,9 +32,9 @@ class Attention:
     bias: str | None = None
     dropout_p: float = 0.0
 
-    def options(self) -> Options:
+    def options(self, block_sizes: BlockSizes) -> Options:
         return Options(causal=self.causal, scale=self.head_dim**-0.5, window=self.window, softcap=self.softcap,
-                       dropout_p=self.dropout_p)
+                       dropout_p=self.dropout_p, block_sizes=block_sizes)
 
     def specs(self, block_sizes: BlockSizes, generation: str):
         """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
@@ -45,7 +45,7 @@ class Attention:
                 "full": torch.empty(self.batch, self.q_heads, self.q_len, self.kv_len, device="meta"),
                 "broadcast": torch.empty(1, self.q_heads, 1, self.kv_len, device="meta")}[self.bias]
         ids = torch.empty(self.batch, self.q_len, device="meta", dtype=torch.int32) if self.segments else None
-        options = self.options()
+        options = self.options(block_sizes)
         return (launch._spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv, True, generation),
                 launch._spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, True,
                              generation))

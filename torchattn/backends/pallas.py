@@ -27,7 +27,7 @@ def unavailable(request: Request) -> str | None:
 def run(request: Request):
     generation = devices.tpu_generation(request.device)
     if generation is not None:  # block sizes too large for the chip are the caller's to fix: refuse, no fallback
-        vmem.check_fits(generation, operands(request), request.resolved_block_sizes())
+        vmem.check_fits(generation, operands(request), request.options.block_sizes)
     return autograd.blockwise_attention(request, NAME)
 
 

@@ -38,11 +38,11 @@ def run(request: Request):
     return autograd.blockwise_attention(request, NAME)
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_sizes):
+def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
     import torch_xla.debug.profiler as xp
 
     with xp.Trace("torchattn.xla.forward"):
-        lay = _Layout(q, k, block_sizes.block_kv)
+        lay = _Layout(q, k, options.block_sizes.block_kv)
         fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
         rows_shape = (lay.B, lay.Hkv, lay.R, 1)
         m = torch.full(rows_shape, _NEG_INF, dtype=lay.compute, device=q.device)  # running max
@@ -74,12 +74,11 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options, block_siz
         return out, lse.view(lay.B, lay.Hq, lay.Sq).to(lay.compute)
 
 
-def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options,
-             block_sizes, bias_grad):
+def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options, bias_grad):
     import torch_xla.debug.profiler as xp
 
     with xp.Trace("torchattn.xla.backward"):
-        lay = _Layout(q, k, block_sizes.block_kv_bwd)
+        lay = _Layout(q, k, options.block_sizes.block_kv_bwd)
         fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
         do = lay.rows(do)
         # delta = rowsum(dO * O) - dlse: the softmax backward's row term, plus lse's own gradient.

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import devices, generations
-from ..config import LANES, SUBLANES, BlockSizes, round_up
+from ..config import LANES, SUBLANES, round_up
 from ..request import Options, Request
 from . import bridge
 
@@ -87,11 +87,11 @@ def _per_row(t: torch.Tensor, length: int) -> torch.Tensor:
     return _pad_rows(t, length)[..., None].expand(-1, -1, -1, LANES)
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options,
-            block_sizes: BlockSizes, *, compiled: bool):
+def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, *, compiled: bool):
     from .forward import forward_call
 
-    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q, block_sizes.block_kv, compiled,
+    blocks = options.block_sizes
+    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q, blocks.block_kv, compiled,
                  devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
@@ -102,10 +102,11 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options,
 
 
 def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options: Options,
-             block_sizes: BlockSizes, bias_grad: bool, *, compiled: bool):
+             bias_grad: bool, *, compiled: bool):
     from .backward import dkv_call, dq_call
 
-    spec = _spec(q, k, bias, segment_ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, compiled,
+    blocks = options.block_sizes
+    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q_bwd, blocks.block_kv_bwd, compiled,
                  devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)

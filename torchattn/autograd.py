@@ -3,8 +3,9 @@
 Layers, as in flash-attn: custom ops with fake (shape-only) implementations so
 ``torch.compile`` can trace through them; one ``autograd.Function`` that saves
 q, k, v, out and lse (never a q_len x kv_len matrix) and calls the backward op.
-The ops dispatch by name to a blockwise implementation: ``pallas``,
-``interpret`` or ``xla``. Each implementation module provides
+The ops run the blockwise implementation named by the backend that calls
+:func:`blockwise_attention` (``IMPLEMENTATIONS``: ``pallas``, ``interpret`` or
+``xla``), a pair of functions
 
     forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
         -> (out, lse)                    lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
@@ -25,16 +26,23 @@ NotImplementedError saying so.
 
 from __future__ import annotations
 
-import importlib
+import functools
 
 import torch
 
-from . import internals
+from . import internals, torch_blockwise
+from .kernels import launch
 from .request import Options, Request, accumulation_dtype
 
-
-def _impl(name: str):
-    return importlib.import_module(f"torchattn.backends.{name}")
+# The blockwise implementations by name: (forward, backward). The backends that run
+# through the custom ops (torchattn/backends/) pass their NAME; a string, because an
+# op's schema takes no functions.
+IMPLEMENTATIONS = {
+    "pallas": (functools.partial(launch.forward, compiled=True), functools.partial(launch.backward, compiled=True)),
+    "interpret": (functools.partial(launch.forward, compiled=False),
+                  functools.partial(launch.backward, compiled=False)),
+    "xla": (torch_blockwise.forward, torch_blockwise.backward),
+}
 
 
 _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, derived from Options' fields
@@ -45,7 +53,7 @@ _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, 
     schema="(Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? kv_segment_ids, Tensor? bias, "
            f"Tensor? seed, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
 def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
-    return internals.functionalized(_impl(impl).forward, q, k, v, segment_ids, kv_segment_ids, bias, seed,
+    return internals.functionalized(IMPLEMENTATIONS[impl][0], q, k, v, segment_ids, kv_segment_ids, bias, seed,
                                     Options.from_op_arguments(options))
 
 
@@ -61,7 +69,7 @@ def _(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
 def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl, bias_grad,
                        *options):
-    dq, dk, dv, dbias = internals.functionalized(_impl(impl).backward, do, dlse, q, k, v, out, lse, segment_ids,
+    dq, dk, dv, dbias = internals.functionalized(IMPLEMENTATIONS[impl][1], do, dlse, q, k, v, out, lse, segment_ids,
                                                  kv_segment_ids, bias, seed, Options.from_op_arguments(options),
                                                  bias_grad)
     # custom ops cannot return None: an empty tensor stands for "no bias gradient".

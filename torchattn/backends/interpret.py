@@ -6,8 +6,6 @@ torch_xla graph through ``call_jax``: how the kernels are proven without a TPU.
 
 from __future__ import annotations
 
-import functools
-
 from .. import autograd
 from ..kernels import launch
 from ..request import Request
@@ -21,7 +19,3 @@ def unavailable(request: Request) -> str | None:
 
 def run(request: Request):
     return autograd.blockwise_attention(request, NAME)
-
-
-forward = functools.partial(launch.forward, compiled=False)
-backward = functools.partial(launch.backward, compiled=False)

@@ -6,8 +6,6 @@ torchattn/kernels/bridge.py for why this path and not ``call_jax``).
 
 from __future__ import annotations
 
-import functools
-
 from .. import autograd, devices
 from ..kernels import launch, vmem
 from ..request import Request
@@ -41,7 +39,3 @@ def operands(request: Request) -> vmem.Operands:
         bias_dtype="float32" if bias is None else str(bias.dtype).removeprefix("torch."),
         bias_grad=bias is not None and bias.requires_grad,
         dropout=request.options.dropout_p > 0, softcap=request.options.softcap is not None)
-
-
-forward = functools.partial(launch.forward, compiled=True)
-backward = functools.partial(launch.backward, compiled=True)

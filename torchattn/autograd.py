@@ -38,9 +38,10 @@ from .request import Options, Request, accumulation_dtype
 # through the custom ops (torchattn/backends/) pass their NAME; a string, because an
 # op's schema takes no functions.
 IMPLEMENTATIONS = {
-    "pallas": (functools.partial(launch.forward, compiled=True), functools.partial(launch.backward, compiled=True)),
-    "interpret": (functools.partial(launch.forward, compiled=False),
-                  functools.partial(launch.backward, compiled=False)),
+    "pallas": (functools.partial(launch.forward, interpret=False),
+               functools.partial(launch.backward, interpret=False)),
+    "interpret": (functools.partial(launch.forward, interpret=True),
+                  functools.partial(launch.backward, interpret=True)),
     "xla": (torch_blockwise.forward, torch_blockwise.backward),
 }
 

@@ -46,9 +46,10 @@ class Attention:
                 "broadcast": torch.empty(1, self.q_heads, 1, self.kv_len, device="meta")}[self.bias]
         ids = torch.empty(self.batch, self.q_len, device="meta", dtype=torch.int32) if self.segments else None
         options = self.options(block_sizes)
-        return (launch._spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv, True, generation),
-                launch._spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd, True,
-                             generation))
+        return (launch._spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv, interpret=False,
+                             generation=generation),
+                launch._spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
+                             interpret=False, generation=generation))
 
     def vmem_operands(self) -> vmem.Operands:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""

@@ -2,10 +2,10 @@
 
 Two entry paths, one per backend:
 
-- interpret (``compiled=False``): ``torch_xla.core.xla_builder.call_jax`` traces
+- interpret (``interpret=True``): ``torch_xla.core.xla_builder.call_jax`` traces
   the jax function (a ``pallas_call`` with ``interpret=True``, which lowers to
   plain HLO) and embeds it in the lazy graph. Public API; runs on any XLA device.
-- compiled (``compiled=True``, TPU): the kernel is lowered for the "tpu" platform
+- compiled (``interpret=False``, TPU): the kernel is lowered for the "tpu" platform
   to a Mosaic ``tpu_custom_call`` and its payload is added to the graph with
   ``torch_xla._XLAC._xla_tpu_custom_call``. ``call_jax`` would lower for JAX's
   default backend, which on a TPU VM is not guaranteed to be the TPU (torch_xla
@@ -26,7 +26,7 @@ import torch
 from .. import internals
 
 
-def call(fn, args, out_shapes, *, name: str, compiled: bool) -> tuple[torch.Tensor, ...]:
+def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Tensor, ...]:
     """Runs jax function ``fn`` on XLA tensors ``args``.
 
     out_shapes: [(shape, torch dtype)] of fn's outputs (needed by the TPU custom call).
@@ -34,8 +34,8 @@ def call(fn, args, out_shapes, *, name: str, compiled: bool) -> tuple[torch.Tens
     import torch_xla.debug.profiler as xp
 
     with xp.Trace(name):
-        if compiled:
-            return internals.tpu_custom_call(fn, args, out_shapes)
-        import torch_xla.core.xla_builder as xb
+        if interpret:
+            import torch_xla.core.xla_builder as xb
 
-        return tuple(xb.call_jax(fn, tuple(args)))
+            return tuple(xb.call_jax(fn, tuple(args)))
+        return internals.tpu_custom_call(fn, args, out_shapes)

@@ -1,7 +1,7 @@
 """Torch side of the Pallas kernels: padding, lane layouts, the kernel calls, unpadding.
 
-Shared by the ``pallas`` (compiled) and ``interpret`` backends, which differ only
-in ``compiled``.
+Shared by the ``pallas`` (Mosaic-compiled) and ``interpret`` backends, which differ
+only in ``interpret``.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, compiled: bool,
+def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, interpret: bool,
           generation: str | None = None):
-    """The KernelSpec of one call; ``generation`` (compiled kernels only) sets the VMEM limit."""
+    """The KernelSpec of one call; ``generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
     from .common import KernelSpec  # imports jax: only once a kernel actually runs
 
     batch, q_heads, q_len, head_dim = q.shape
@@ -43,8 +43,8 @@ def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int
         kv_pad=kv_pad, head_dim=head_dim, block_q=block_q, block_kv=block_kv,
         dtype=str(q.dtype).removeprefix("torch."), scale=options.scale, left=left, right=right,
         softcap=options.softcap, dropout_p=options.dropout_p, has_segments=segment_ids is not None,
-        bias_shape=bias_shape, interpret=not compiled,
-        vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if compiled and generation else None)
+        bias_shape=bias_shape, interpret=interpret,
+        vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and not interpret else None)
 
 
 def _pad_lanes(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -87,26 +87,26 @@ def _per_row(t: torch.Tensor, length: int) -> torch.Tensor:
     return _pad_rows(t, length)[..., None].expand(-1, -1, -1, LANES)
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, *, compiled: bool):
+def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, *, interpret: bool):
     from .forward import forward_call
 
     blocks = options.block_sizes
-    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q, blocks.block_kv, compiled,
+    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q, blocks.block_kv, interpret,
                  devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
     out, lse = bridge.call(forward_call(spec), [_seed(seed, q.device), *arrays], out_shapes,
-                           name="torchattn.forward", compiled=compiled)
+                           name="torchattn.forward", interpret=interpret)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
 
 def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options: Options,
-             bias_grad: bool, *, compiled: bool):
+             bias_grad: bool, *, interpret: bool):
     from .backward import dkv_call, dq_call
 
     blocks = options.block_sizes
-    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q_bwd, blocks.block_kv_bwd, compiled,
+    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret,
                  devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
@@ -119,10 +119,10 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
     if bias_grad:
         dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))
     dq, *ds = bridge.call(dq_call(spec, bias_grad), kernel_args, dq_shapes,
-                          name="torchattn.backward_dq", compiled=compiled)
+                          name="torchattn.backward_dq", interpret=interpret)
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
     dk, dv = bridge.call(dkv_call(spec), kernel_args, [kv_shape, kv_shape],
-                         name="torchattn.backward_dkv", compiled=compiled)
+                         name="torchattn.backward_dkv", interpret=interpret)
     dbias = None
     if bias_grad:
         ds = ds[0][:, :, : spec.q_len, : spec.kv_len]

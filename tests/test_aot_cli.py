@@ -10,7 +10,7 @@ import pytest
 
 from torchattn import generations
 from torchattn.aot.__main__ import main, parse_args
-from torchattn.config import BlockSizes
+from torchattn.block_sizes import BlockSizes
 
 pytest.importorskip("libtpu", reason="compiling for TPU needs the libtpu wheel (dev extra)")
 

@@ -10,7 +10,7 @@ import torch
 import torchattn
 from torchattn import backends, devices, generations, internals
 from torchattn.api import _validate
-from torchattn.config import BlockSizes
+from torchattn.block_sizes import BlockSizes
 
 torch_xla = pytest.importorskip("torch_xla")
 

@@ -19,7 +19,7 @@ import torch
 from matrix import pairwise_cases
 from numerics import Case
 from torchattn import generations, internals
-from torchattn.config import BlockSizes
+from torchattn.block_sizes import BlockSizes
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("torch_xla")

@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from torchattn.config import BlockSizes
-from torchattn.kernels import launch
+from torchattn.block_sizes import BlockSizes
+from torchattn.kernels import torch_side
 from torchattn.request import Options
 
 jax = pytest.importorskip("jax")
@@ -43,7 +43,7 @@ def _spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len
     ids = torch.empty(2, q_len, device="meta", dtype=torch.int32) if segments else None
     options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p,
                       block_sizes=BlockSizes.default(q_len, kv_len, head_dim))  # _spec takes block_q, block_kv
-    return launch._spec(q, k, bias_t, ids, options, block_q, block_kv, interpret=False)
+    return torch_side.kernel_spec(q, k, bias_t, ids, options, block_q, block_kv, interpret=False)
 
 
 def _export(fn, args):
@@ -96,9 +96,9 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
     seed = torch.tensor([5], device=device)
     blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
     options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1, block_sizes=blocks)
-    out, lse = launch.forward(q, k, v, None, None, bias, seed, options, interpret=False)
-    grads = launch.backward(torch.ones_like(out), torch.zeros_like(lse), q, k, v, out, lse, None, None, bias,
-                            seed, options, True, interpret=False)
+    out, lse = torch_side.forward(q, k, v, None, None, bias, seed, options, interpret=False)
+    grads = torch_side.backward(torch.ones_like(out), torch.zeros_like(lse), q, k, v, out, lse, None, None, bias,
+                                seed, options, True, interpret=False)
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     del out, lse, grads  # never synced: XLA:CPU cannot execute these

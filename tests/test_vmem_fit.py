@@ -12,7 +12,7 @@ import torch
 
 import torchattn
 from torchattn import generations
-from torchattn.config import BlockSizes
+from torchattn.block_sizes import BlockSizes
 from torchattn.kernels import vmem
 
 jax = pytest.importorskip("jax")

@@ -5,7 +5,7 @@ from . import _versions
 _versions.check_versions()  # before importing torch: a mismatched torch/torch_xla pair fails here, clearly
 
 from .api import explain, flash_attention  # noqa: E402
-from .config import BlockSizes  # noqa: E402
+from .block_sizes import BlockSizes  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .reference import attention_reference  # noqa: E402
 

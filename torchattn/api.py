@@ -8,7 +8,7 @@ import numbers
 import torch
 
 from . import backends, devices, segments
-from .config import BlockSizes
+from .block_sizes import BlockSizes
 from .dropout import MASK32, seed_to_uint32
 from .request import Options, Request, accumulation_dtype
 from .types import is_bool, type_name

@@ -31,17 +31,17 @@ import functools
 import torch
 
 from . import internals, torch_blockwise
-from .kernels import launch
+from .kernels import torch_side
 from .request import Options, Request, accumulation_dtype
 
 # The blockwise implementations by name: (forward, backward). The backends that run
 # through the custom ops (torchattn/backends/) pass their NAME; a string, because an
 # op's schema takes no functions.
 IMPLEMENTATIONS = {
-    "pallas": (functools.partial(launch.forward, interpret=False),
-               functools.partial(launch.backward, interpret=False)),
-    "interpret": (functools.partial(launch.forward, interpret=True),
-                  functools.partial(launch.backward, interpret=True)),
+    "pallas": (functools.partial(torch_side.forward, interpret=False),
+               functools.partial(torch_side.backward, interpret=False)),
+    "interpret": (functools.partial(torch_side.forward, interpret=True),
+                  functools.partial(torch_side.backward, interpret=True)),
     "xla": (torch_blockwise.forward, torch_blockwise.backward),
 }
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from .config import BlockSizes
+from .block_sizes import BlockSizes
 from .masks import diagonal_bounds
 
 

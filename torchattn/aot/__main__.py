@@ -17,8 +17,9 @@ import math
 import sys
 
 from .. import generations
-from ..config import LANES, SUBLANES, BlockSizes
+from ..block_sizes import BlockSizes
 from ..kernels import vmem
+from ..tiling import LANES, SUBLANES
 from .attention import BIAS_KINDS, Attention, compile_attention
 
 MiB = 1 << 20

@@ -6,9 +6,10 @@ import dataclasses
 
 import torch
 
-from ..config import LANES, SUBLANES, BlockSizes
-from ..kernels import launch, vmem
+from ..block_sizes import BlockSizes
+from ..kernels import torch_side, vmem
 from ..request import Options
+from ..tiling import LANES, SUBLANES
 from .compiler import Compiled, compile_jax
 
 BIAS_KINDS = (None, "full", "broadcast")  # full: (batch, q_heads, q_len, kv_len); broadcast: (1, q_heads, 1, kv_len)
@@ -46,10 +47,10 @@ class Attention:
                 "broadcast": torch.empty(1, self.q_heads, 1, self.kv_len, device="meta")}[self.bias]
         ids = torch.empty(self.batch, self.q_len, device="meta", dtype=torch.int32) if self.segments else None
         options = self.options(block_sizes)
-        return (launch._spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv, interpret=False,
-                             generation=generation),
-                launch._spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
-                             interpret=False, generation=generation))
+        return (torch_side.kernel_spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv,
+                                       interpret=False, generation=generation),
+                torch_side.kernel_spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
+                                       interpret=False, generation=generation))
 
     def vmem_operands(self) -> vmem.Operands:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
@@ -63,7 +64,7 @@ class Attention:
 
 
 def argument_structs(spec):
-    """ShapeDtypeStructs of the kernels' arguments: (forward, backward), in launch.py's order:
+    """ShapeDtypeStructs of the kernels' arguments: (forward, backward), in torch_side.py's order:
     seed, q, k, v, [do, lse, delta], [q_ids, kv_ids], [bias]."""
     import jax
     import jax.numpy as jnp

@@ -7,14 +7,14 @@ torch_xla graph through ``call_jax``: how the kernels are proven without a TPU.
 from __future__ import annotations
 
 from .. import autograd
-from ..kernels import launch
+from ..kernels import torch_side
 from ..request import Request
 
 NAME = "interpret"
 
 
 def unavailable(request: Request) -> str | None:
-    return launch.unavailable(request)
+    return torch_side.unavailable(request)
 
 
 def run(request: Request):

@@ -7,7 +7,7 @@ torchattn/kernels/bridge.py for why this path and not ``call_jax``).
 from __future__ import annotations
 
 from .. import autograd, devices
-from ..kernels import launch, vmem
+from ..kernels import torch_side, vmem
 from ..request import Request
 
 NAME = "pallas"
@@ -19,7 +19,7 @@ def unavailable(request: Request) -> str | None:
     device_type = devices.xla_device_type()
     if device_type != "TPU":
         return f"needs a TPU; the XLA device is {device_type} (use 'interpret' to run the same kernels)"
-    return launch.unavailable(request)
+    return torch_side.unavailable(request)
 
 
 def run(request: Request):

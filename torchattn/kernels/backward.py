@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..config import LANES, SUBLANES
-from .common import KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
+from ..tiling import LANES, SUBLANES
+from .common import KernelSpec, block_scores, dropout_scale, load, pallas_function, q_grid_mask_specs, q_grid_maps
 from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -145,7 +145,7 @@ def dq_call(spec: KernelSpec, with_ds: bool):
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, seed: (b, h, i, j)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
-    return launcher(
+    return pallas_function(
         functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
         spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
@@ -183,7 +183,7 @@ def dkv_call(spec: KernelSpec):
         in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, hk, j, t, seed: spec.bias_index(
             b, hk * g + t // nq, q_block(j, t), j)))
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
-    return launcher(
+    return pallas_function(
         functools.partial(dkv_kernel, spec=spec),
         spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
         in_specs=in_specs, out_specs=[pl.BlockSpec((None, None, bkv, d), kv_map)] * 2,

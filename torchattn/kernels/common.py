@@ -14,7 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
-from ..config import LANES, SUBLANES
+from ..tiling import LANES, SUBLANES
 from .block_geometry import BlockGeometry
 
 # Per-row values (lse, delta, q segment ids) travel lane-broadcast as (rows, LANES);
@@ -161,8 +161,8 @@ def q_grid_mask_specs(spec: KernelSpec) -> list:
     return specs
 
 
-def launcher(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,
-             cost_estimate: pl.CostEstimate):
+def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,
+                    cost_estimate: pl.CostEstimate):
     """The jax function ``(seed, *arrays) -> tuple of outputs`` around one pallas_call.
 
     The seed (int32 (1,)) is prefetched into SMEM; the last grid axis is the

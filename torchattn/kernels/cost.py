@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ..config import LANES, SUBLANES
+from ..tiling import LANES, SUBLANES
 from .common import KernelSpec
 
 _WORD = 4  # bytes of the float32/int32 operands: lse, delta, segment ids, bias, ds

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..config import LANES
-from .common import KernelSpec, block_scores, dropout_scale, launcher, load, q_grid_mask_specs, q_grid_maps
+from ..tiling import LANES
+from .common import KernelSpec, block_scores, dropout_scale, load, pallas_function, q_grid_mask_specs, q_grid_maps
 from .cost import forward_cost
 
 
@@ -84,7 +84,7 @@ def forward_call(spec: KernelSpec):
                  pl.BlockSpec((None, None, bq, LANES), q_map)]
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype)),
                  jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, LANES), jnp.float32)]
-    return launcher(
+    return pallas_function(
         functools.partial(forward_kernel, spec=spec),
         spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

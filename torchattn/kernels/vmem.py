@@ -44,7 +44,8 @@ from __future__ import annotations
 import dataclasses
 
 from .. import generations
-from ..config import LANES, SUBLANES, BlockSizes, round_up
+from ..block_sizes import BlockSizes
+from ..tiling import LANES, SUBLANES, round_up
 
 MiB = 1 << 20
 KERNELS = ("forward", "backward_dq", "backward_dkv")

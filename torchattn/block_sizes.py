@@ -5,14 +5,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
+from .tiling import LANES, SUBLANES, round_up
 from .types import is_bool
-
-SUBLANES = 8  # TPU vreg rows: second-to-last block dims are multiples of this
-LANES = 128  # TPU vreg lanes: last block dims are multiples of this
-
-
-def round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import devices, generations
-from ..config import LANES, SUBLANES, round_up
 from ..request import Options, Request
+from ..tiling import LANES, SUBLANES, round_up
 from . import bridge
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -25,8 +25,8 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-def _spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, interpret: bool,
-          generation: str | None = None):
+def kernel_spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, interpret: bool,
+                generation: str | None = None):
     """The KernelSpec of one call; ``generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
     from .common import KernelSpec  # imports jax: only once a kernel actually runs
 
@@ -91,8 +91,8 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, 
     from .forward import forward_call
 
     blocks = options.block_sizes
-    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q, blocks.block_kv, interpret,
-                 devices.tpu_generation(q.device))
+    spec = kernel_spec(q, k, bias, segment_ids, options, blocks.block_q, blocks.block_kv, interpret,
+                       devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
@@ -106,8 +106,8 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
     from .backward import dkv_call, dq_call
 
     blocks = options.block_sizes
-    spec = _spec(q, k, bias, segment_ids, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret,
-                 devices.tpu_generation(q.device))
+    spec = kernel_spec(q, k, bias, segment_ids, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret,
+                       devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel

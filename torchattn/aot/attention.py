@@ -7,9 +7,8 @@ import dataclasses
 import torch
 
 from ..block_sizes import BlockSizes
-from ..kernels import torch_side, vmem
+from ..kernels import arguments, torch_side, vmem
 from ..request import Options
-from ..tiling import LANES, SUBLANES
 from .compiler import Compiled, compile_jax
 
 BIAS_KINDS = (None, "full", "broadcast")  # full: (batch, q_heads, q_len, kv_len); broadcast: (1, q_heads, 1, kv_len)
@@ -64,22 +63,15 @@ class Attention:
 
 
 def argument_structs(spec):
-    """ShapeDtypeStructs of the kernels' arguments: (forward, backward), in torch_side.py's order:
-    seed, q, k, v, [do, lse, delta], [q_ids, kv_ids], [bias]."""
+    """ShapeDtypeStructs of the kernels' arguments, (forward, backward), as kernels/arguments.py states them."""
     import jax
-    import jax.numpy as jnp
 
-    sds = jax.ShapeDtypeStruct
-    dt = jnp.dtype(spec.dtype)
-    b, hq, hkv, qp, kp, d = spec.batch, spec.q_heads, spec.kv_heads, spec.q_pad, spec.kv_pad, spec.head_dim
-    base = [sds((1,), jnp.int32), sds((b, hq, qp, d), dt), sds((b, hkv, kp, d), dt), sds((b, hkv, kp, d), dt)]
-    rows = [sds((b, hq, qp, d), dt), sds((b, hq, qp, LANES), jnp.float32), sds((b, hq, qp, LANES), jnp.float32)]
-    extra = []
-    if spec.has_segments:
-        extra += [sds((b, qp, LANES), jnp.int32), sds((b, SUBLANES, kp), jnp.int32)]
-    if spec.bias_shape is not None:
-        extra.append(sds(spec.bias_shape, jnp.float32))
-    return base + extra, base + rows + extra
+    shapes = arguments.shapes(spec)
+
+    def structs(backward: bool) -> list:
+        return [jax.ShapeDtypeStruct(*shapes[name]) for name in ("seed", *arguments.names(spec, backward))]
+
+    return structs(backward=False), structs(backward=True)
 
 
 def compile_attention(attention: Attention, generation: str,

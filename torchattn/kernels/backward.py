@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES, SUBLANES
+from . import arguments
 from .common import KernelSpec, block_scores, dropout_scale, load, pallas_function, q_grid_mask_specs, q_grid_maps
 from .cost import dkv_cost, dq_cost
 
@@ -34,16 +35,20 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _tile_gradients(spec, seed, batch, head, q_block, kv_block, q, k, v, do, lse, delta,
-                    q_ids, kv_ids, bias):
+def _tile_gradients(spec, seed, batch, head, q_block, kv_block, inputs, q, k, do):
     """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
+
+    ``inputs``: the kernel's input refs by name (kernels/arguments.py); q, k, do: their blocks,
+    loaded by the caller, which uses them again.
 
     ds is the gradient of the logits after softcap and bias (= dbias); dlogits
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
     """
-    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
+    lse, delta = inputs["lse"][:, :1], inputs["delta"][:, :1]  # (block_q, 1): one lane of each row
+    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs["q_ids"]), load(inputs["kv_ids"]),
+                                   load(inputs["bias"]))
     p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is finite where keep
-    dp = _dot(do, v, _NT)
+    dp = _dot(do, inputs["v"][...], _NT)
     if spec.dropout_p > 0.0:
         scale = dropout_scale(spec, seed, batch, head, q_block, kv_block, s.shape)
         p_used, dp = p * scale, dp * scale
@@ -55,15 +60,8 @@ def _tile_gradients(spec, seed, batch, head, q_block, kv_block, q, k, v, do, lse
 
 
 def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
-    q_ids_ref = kv_ids_ref = bias_ref = ds_ref = None
-    if spec.has_segments:
-        q_ids_ref, kv_ids_ref, *refs = refs
-    if spec.bias_shape is not None:
-        bias_ref, *refs = refs
-    dq_ref, *refs = refs
-    if with_ds:
-        ds_ref, *refs = refs
+    inputs, (dq_ref, *refs) = arguments.unpack(spec, refs, backward=True)
+    ds_ref = refs.pop(0) if with_ds else None
     (dq_acc,) = refs
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
     visible = spec.blocks.visible(q_block, kv_block, jnp)
@@ -74,10 +72,9 @@ def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
 
     @pl.when(visible)
     def _step():
-        k = k_ref[...]
-        _, ds, dlogits = _tile_gradients(
-            spec, seed_ref[0], batch, head, q_block, kv_block, q_ref[...], k, v_ref[...], do_ref[...],
-            lse_ref[:, :1], delta_ref[:, :1], load(q_ids_ref), load(kv_ids_ref), load(bias_ref))
+        k = inputs["k"][...]
+        _, ds, dlogits = _tile_gradients(spec, seed_ref[0], batch, head, q_block, kv_block, inputs,
+                                         inputs["q"][...], k, inputs["do"][...])
         dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.scale
         if with_ds:
             ds_ref[...] = ds
@@ -93,13 +90,7 @@ def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
 
 
 def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, *refs = refs
-    q_ids_ref = kv_ids_ref = bias_ref = None
-    if spec.has_segments:
-        q_ids_ref, kv_ids_ref, *refs = refs
-    if spec.bias_shape is not None:
-        bias_ref, *refs = refs
-    dk_ref, dv_ref, dk_acc, dv_acc = refs
+    inputs, (dk_ref, dv_ref, dk_acc, dv_acc) = arguments.unpack(spec, refs, backward=True)
     batch, kv_head, kv_block, step = (pl.program_id(i) for i in range(4))
     head = kv_head * spec.groups + step // spec.num_q_blocks
     q_block = step % spec.num_q_blocks
@@ -111,10 +102,9 @@ def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
 
     @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
-        q, do = q_ref[...], do_ref[...]
-        p, _, dlogits = _tile_gradients(
-            spec, seed_ref[0], batch, head, q_block, kv_block, q, k_ref[...], v_ref[...], do,
-            lse_ref[:, :1], delta_ref[:, :1], load(q_ids_ref), load(kv_ids_ref), load(bias_ref))
+        q, do = inputs["q"][...], inputs["do"][...]
+        p, _, dlogits = _tile_gradients(spec, seed_ref[0], batch, head, q_block, kv_block, inputs,
+                                        q, inputs["k"][...], do)
         dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
         dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.scale
 

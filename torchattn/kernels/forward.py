@@ -16,18 +16,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES
+from . import arguments
 from .common import KernelSpec, block_scores, dropout_scale, load, pallas_function, q_grid_mask_specs, q_grid_maps
 from .cost import forward_cost
 
 
 def forward_kernel(seed_ref, *refs, spec: KernelSpec):
-    q_ref, k_ref, v_ref, *refs = refs
-    q_ids_ref = kv_ids_ref = bias_ref = None
-    if spec.has_segments:
-        q_ids_ref, kv_ids_ref, *refs = refs
-    if spec.bias_shape is not None:
-        bias_ref, *refs = refs
-    o_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    inputs, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = arguments.unpack(spec, refs, backward=False)
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
 
     @pl.when(kv_block == 0)
@@ -38,8 +33,8 @@ def forward_kernel(seed_ref, *refs, spec: KernelSpec):
 
     @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
-        s, _, _ = block_scores(spec, q_ref[...], k_ref[...], q_block, kv_block, load(q_ids_ref),
-                               load(kv_ids_ref), load(bias_ref))  # s: (block_q, block_kv)
+        s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block, load(inputs["q_ids"]),
+                               load(inputs["kv_ids"]), load(inputs["bias"]))  # s: (block_q, block_kv)
         m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # (block_q, 1)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
@@ -48,7 +43,7 @@ def forward_kernel(seed_ref, *refs, spec: KernelSpec):
         l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         if spec.dropout_p > 0.0:
             p = p * dropout_scale(spec, seed_ref[0], batch, head, q_block, kv_block, s.shape)
-        v = v_ref[...]
+        v = inputs["v"][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * alpha + pv

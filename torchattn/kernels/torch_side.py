@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from .. import devices, generations
 from ..request import Options, Request
 from ..tiling import LANES, SUBLANES, round_up
-from . import bridge
+from . import arguments, bridge
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -59,20 +59,26 @@ def _pad_rows(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
     return F.pad(t, pads)
 
 
-def _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias):
-    """q, k, v padded; segment ids in lane/sublane layout; bias padded where not broadcast."""
+def _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias) -> dict[str, torch.Tensor]:
+    """q, k, v padded; segment ids in lane/sublane layout; bias padded where not broadcast (by name,
+    see kernels/arguments.py)."""
     d = spec.head_dim
-    arrays = [_pad_rows(_pad_lanes(q, d), spec.q_pad), _pad_rows(_pad_lanes(k, d), spec.kv_pad),
-              _pad_rows(_pad_lanes(v, d), spec.kv_pad)]
+    arrays = dict(q=_pad_rows(_pad_lanes(q, d), spec.q_pad), k=_pad_rows(_pad_lanes(k, d), spec.kv_pad),
+                  v=_pad_rows(_pad_lanes(v, d), spec.kv_pad))
     if segment_ids is not None:
         q_ids = _pad_rows(segment_ids, spec.q_pad, dim=1)  # (batch, q_pad)
         kv_ids = _pad_rows(kv_segment_ids, spec.kv_pad, dim=1)  # (batch, kv_pad)
-        arrays += [q_ids[:, :, None].expand(-1, -1, LANES),  # (batch, q_pad, 128)
-                   kv_ids[:, None, :].expand(-1, SUBLANES, -1)]  # (batch, 8, kv_pad)
+        arrays["q_ids"] = q_ids[:, :, None].expand(-1, -1, LANES)  # (batch, q_pad, 128)
+        arrays["kv_ids"] = kv_ids[:, None, :].expand(-1, SUBLANES, -1)  # (batch, 8, kv_pad)
     if bias is not None:
         bias = _pad_rows(bias, spec.bias_shape[2], dim=2)
-        arrays.append(_pad_rows(bias, spec.bias_shape[3], dim=3))
+        arrays["bias"] = _pad_rows(bias, spec.bias_shape[3], dim=3)
     return arrays
+
+
+def _kernel_arguments(spec, seed, arrays: dict[str, torch.Tensor], backward: bool) -> list[torch.Tensor]:
+    """The seed and ``arrays`` in the kernels' argument order (kernels/arguments.py)."""
+    return [seed, *(arrays[name] for name in arguments.names(spec, backward))]
 
 
 def _seed(seed: torch.Tensor | None, device) -> torch.Tensor:
@@ -96,7 +102,8 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, 
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
-    out, lse = bridge.call(forward_call(spec), [_seed(seed, q.device), *arrays], out_shapes,
+    kernel_args = _kernel_arguments(spec, _seed(seed, q.device), arrays, backward=False)
+    out, lse = bridge.call(forward_call(spec), kernel_args, out_shapes,
                            name="torchattn.forward", interpret=interpret)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
@@ -111,10 +118,9 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
     lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel
-    rows = [_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad),
-            _per_row(lse, spec.q_pad), _per_row(delta, spec.q_pad)]
-    # Kernel argument order: seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias].
-    kernel_args = [_seed(seed, q.device), *arrays[:3], *rows, *arrays[3:]]
+    arrays.update(do=_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad), lse=_per_row(lse, spec.q_pad),
+                  delta=_per_row(delta, spec.q_pad))
+    kernel_args = _kernel_arguments(spec, _seed(seed, q.device), arrays, backward=True)
     dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]
     if bias_grad:
         dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))

@@ -1,0 +1,55 @@
+"""The kernels' argument contract: which arrays each kernel takes, in which order and padded layout.
+
+Every kernel takes the seed, int32 (1,) (prefetched into SMEM), then the arrays
+:func:`names` lists, with the shapes :func:`shapes` gives. Read by
+kernels/torch_side.py (builds them from torch tensors), the kernel bodies
+(:func:`unpack` their refs) and ``torchattn.aot.argument_structs`` (compiles from shapes).
+
+Layouts: sequences padded to ``spec.q_pad``/``spec.kv_pad`` (multiples of the
+blocks), head_dim to ``spec.head_dim`` (128 lanes); per-row values (lse, delta,
+query segment ids) broadcast over the 128 lanes, per-column values (key segment
+ids) over the 8 sublanes.
+"""
+
+from __future__ import annotations
+
+from ..tiling import LANES, SUBLANES
+
+# Every array any kernel takes, in argument order; each kernel takes a subsequence (see names).
+ARRAYS = ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids", "bias")
+
+
+def names(spec, backward: bool) -> list[str]:
+    """The arrays after the seed, in order: q, k, v, [do, lse, delta] (backward kernels),
+    [q_ids, kv_ids] (segment ids), [bias]."""
+    taken = ["q", "k", "v"]
+    if backward:
+        taken += ["do", "lse", "delta"]
+    if spec.has_segments:
+        taken += ["q_ids", "kv_ids"]
+    if spec.bias_shape is not None:
+        taken.append("bias")
+    return taken
+
+
+def shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype name) of the seed and of every array in :data:`ARRAYS`, for ``spec``.
+
+    The bias is float32 here; a call passes it in q's dtype or float32 (see torchattn.api)."""
+    b, hq, hkv, qp, kp, d = spec.batch, spec.q_heads, spec.kv_heads, spec.q_pad, spec.kv_pad, spec.head_dim
+    return {
+        "seed": ((1,), "int32"),
+        "q": ((b, hq, qp, d), spec.dtype), "k": ((b, hkv, kp, d), spec.dtype), "v": ((b, hkv, kp, d), spec.dtype),
+        "do": ((b, hq, qp, d), spec.dtype),
+        "lse": ((b, hq, qp, LANES), "float32"), "delta": ((b, hq, qp, LANES), "float32"),
+        "q_ids": ((b, qp, LANES), "int32"), "kv_ids": ((b, SUBLANES, kp), "int32"),
+        "bias": (spec.bias_shape, "float32"),
+    }
+
+
+def unpack(spec, refs, backward: bool):
+    """A kernel's refs after the seed: ({array name: input ref, None where absent}, the remaining refs
+    (outputs, then scratch))."""
+    taken = names(spec, backward)
+    inputs = dict(zip(taken, refs))
+    return {name: inputs.get(name) for name in ARRAYS}, refs[len(taken):]

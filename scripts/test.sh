@@ -9,4 +9,6 @@ export PJRT_DEVICE=${PJRT_DEVICE:-CPU}
 # mappings per cached executable, and a suite that compiles many graphs otherwise
 # exhausts vm.max_map_count ("LLVM compilation error: Cannot allocate memory").
 export XLA_COMPILATION_CACHE_SIZE=${XLA_COMPILATION_CACHE_SIZE:-8}
+# Lint first, with setup.cfg's [flake8] rules: any finding fails the test command (and CI).
+.venv/bin/python -m flake8
 exec .venv/bin/python -m pytest "$@"

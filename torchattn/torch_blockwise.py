@@ -33,11 +33,11 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
         fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
         rows_shape = (lay.B, lay.Hkv, lay.R, 1)
         m = torch.full(rows_shape, _NEG_INF, dtype=lay.compute, device=q.device)  # running max
-        l = torch.zeros(rows_shape, dtype=lay.compute, device=q.device)  # running denominator
+        denom = torch.zeros(rows_shape, dtype=lay.compute, device=q.device)  # running denominator
         acc = torch.zeros((lay.B, lay.Hkv, lay.R, lay.D), dtype=lay.compute, device=q.device)
 
         def step(carry, blk):
-            (m, l, acc), fixed = carry
+            (m, denom, acc), fixed = carry
             s, mask, _ = _scores(lay, options, fixed, blk)
             s = torch.where(mask, s, _NEG_INF)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
@@ -46,17 +46,17 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
             m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
             p = torch.exp(s - m_safe)  # (B, Hkv, R, bk)
             alpha = torch.exp(m - m_safe)
-            l = l * alpha + p.sum(-1, keepdim=True)
+            denom = denom * alpha + p.sum(-1, keepdim=True)
             if options.dropout_p > 0.0:  # the denominator counts dropped keys too
                 p = torch.where(_keep(options, fixed, blk), p, 0.0)
             acc = acc * alpha + p @ blk["v"]
-            return ((m_new, l, acc), fixed), ()
+            return ((m_new, denom, acc), fixed), ()
 
-        ((m, l, acc), _), _ = internals.scan(step, ((m, l, acc), fixed), blocks)
-        seen = l > 0
-        l = torch.where(seen, l, 1.0)
-        out = torch.where(seen, acc / (l * (1.0 - options.dropout_p)), 0.0)
-        lse = torch.where(seen, m + torch.log(l), _NEG_INF)
+        ((m, denom, acc), _), _ = internals.scan(step, ((m, denom, acc), fixed), blocks)
+        seen = denom > 0
+        denom = torch.where(seen, denom, 1.0)
+        out = torch.where(seen, acc / (denom * (1.0 - options.dropout_p)), 0.0)
+        lse = torch.where(seen, m + torch.log(denom), _NEG_INF)
         out = out.view(lay.B, lay.Hq, lay.Sq, lay.D).to(q.dtype)  # rows layout -> (B, Hq, Sq, D)
         return out, lse.view(lay.B, lay.Hq, lay.Sq).to(lay.compute)
 

@@ -8,7 +8,7 @@ A kernel holds in VMEM:
 - every input and output block twice: Pallas' pipeline fetches the next block
   while the kernel works on this one. A block is stored in (8, 128) tiles of
   32-bit words: rows padded to 8 (16 for bfloat16, two rows per word), lanes to
-  128. head_dim is padded to 128 lanes (kernels/launch.py);
+  128. head_dim is padded to 128 lanes (kernels/torch_side.py);
 - its scratch (forward.py, backward.py), float32: the forward's running max and
   denominator (block_q, 128) and accumulator (block_q, head_dim); dq's
   accumulator (block_q, head_dim); dk/dv's two (block_kv, head_dim);

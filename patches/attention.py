@@ -7,8 +7,9 @@ import contextlib
 import torch
 
 import torchattn
+from torchattn import once
 
-from . import masks, once
+from . import masks
 from .options import dropout_seed, options_for
 
 # Arguments some families pass that torchattn has no equivalent for: refused, never dropped.

@@ -17,7 +17,9 @@ import weakref
 import torch
 import transformers
 
-from . import families, once, options, transformers_internals
+from torchattn import once
+
+from . import families, options, transformers_internals
 
 _checked: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _hook = None

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from . import once
+from torchattn import once
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,

@@ -7,7 +7,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from . import loading, once
+from torchattn import once
+
+from . import loading
 from .attention import torchattn_attention
 from .masks import padding_mask
 from .transformers_internals import VERIFIED_TRANSFORMERS

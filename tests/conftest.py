@@ -54,11 +54,11 @@ def fake_tpu(monkeypatch):
     Tensors stay on XLA:CPU, so the ``pallas`` backend's graph can be built and read, never run.
     Fallback warnings are reset so each test sees its own.
     """
-    from torchattn import backends, devices
+    from torchattn import devices, once
 
     monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
     monkeypatch.setattr(devices, "xla_device_kind", lambda device: "TPU v5 lite")
-    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setattr(once, "_shown", set())
 
 
 def pytest_terminal_summary(terminalreporter):

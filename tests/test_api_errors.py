@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import backends
+from torchattn import backends, once
 
 B, H, S, D = 2, 2, 8, 16
 
@@ -301,7 +301,7 @@ def _torchattn_warnings(record):
 
 
 def test_fallback_warns_once_per_reason(monkeypatch):
-    monkeypatch.setattr(backends, "_warned", set())  # other tests may have warned already
+    monkeypatch.setattr(once, "_shown", set())  # other tests may have warned already
     q, k, v = qkv()
     with pytest.warns(UserWarning, match=r"backend 'sdpa' cannot serve this call \(softcap.*\); "
                                          r"falling back to 'reference'"):
@@ -320,7 +320,7 @@ def test_fallback_warns_once_per_reason(monkeypatch):
 
 
 def test_no_warning_when_preferred_backend_serves(monkeypatch):
-    monkeypatch.setattr(backends, "_warned", set())
+    monkeypatch.setattr(once, "_shown", set())
     q, k, v = qkv()
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import backends, devices, generations, internals
+from torchattn import devices, generations, internals, once
 from torchattn.api import _validate
 from torchattn.block_sizes import BlockSizes
 
@@ -76,7 +76,7 @@ def tpu_of_kind(monkeypatch):
     def fake(name: str):
         monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
         monkeypatch.setattr(devices, "xla_device_kind", lambda device: generations.get(name).device_kind)
-        monkeypatch.setattr(backends, "_warned", set())
+        monkeypatch.setattr(once, "_shown", set())
     return fake
 
 

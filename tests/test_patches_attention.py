@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import patches
-from patches import masks, once
+from patches import masks
+from torchattn import once
 from patches.attention import torchattn_attention
 
 

@@ -293,7 +293,7 @@ def test_register_is_idempotent():
 
 
 def test_unverified_transformers_version_warns_once_naming_both_versions(monkeypatch):
-    monkeypatch.setattr(patches.once, "_shown", set())
+    monkeypatch.setattr(torchattn.once, "_shown", set())
     # The module object registration.py reads: importing some model classes re-executes transformers'
     # lazy __init__, so sys.modules["transformers"] may no longer be the object imported here.
     monkeypatch.setattr(registration.transformers, "__version__", "5.99.1")
@@ -323,7 +323,7 @@ def test_list_prints_every_verified_and_unsupported_family():
 def test_dense_4d_mask_from_the_caller_is_served_with_one_warning(device, monkeypatch):
     """A caller's own (batch, 1, S, S) additive mask reaches the attention unchanged; torchattn
     serves it as a dense bias (matching eager) and says so once, naming the module."""
-    monkeypatch.setattr(patches.once, "_shown", set())
+    monkeypatch.setattr(torchattn.once, "_shown", set())
     eager = H.build("BERT")
     batch = H.padded_batch("BERT", 24)
     g = torch.Generator().manual_seed(5)
@@ -358,7 +358,7 @@ def test_patching_something_else_than_a_transformers_model_is_a_type_error():
 
 def test_output_attentions_on_a_patched_model_warns_naming_the_option(monkeypatch):
     """transformers' sdpa path warns that it cannot return attention weights; so does torchattn."""
-    monkeypatch.setattr(patches.once, "_shown", set())
+    monkeypatch.setattr(torchattn.once, "_shown", set())
     model = H.build("Llama")
     batch = H.padded_batch("Llama", 12)
     patches.patch(model, "reference")

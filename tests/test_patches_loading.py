@@ -18,6 +18,7 @@ import transformers
 
 import hf_models as H
 import patches
+import torchattn
 
 _SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=100)
 UNSUPPORTED_CONFIGS = {
@@ -83,7 +84,7 @@ def test_from_pretrained_by_name_is_refused_too(family, tmp_path):
 def test_unverified_interface_family_loads_by_name_with_one_warning(monkeypatch):
     """A family that dispatches through AttentionInterface but is not verified loads, with the
     warning patch() gives, once per class however often it is loaded."""
-    monkeypatch.setattr(patches.once, "_shown", set())
+    monkeypatch.setattr(torchattn.once, "_shown", set())
     config = dict(_SMALL, num_key_value_heads=1, head_dim=16)
     with pytest.warns(UserWarning, match="Qwen3Model dispatches through AttentionInterface but is not among"):
         transformers.AutoModel.from_config(transformers.Qwen3Config(**config), attn_implementation=patches.NAME)

@@ -8,9 +8,8 @@ str | None`` (why it cannot serve this request, None if it can) and
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
-from .. import devices
+from .. import devices, once
 from ..request import Request
 from . import interpret, pallas, reference, sdpa, xla
 
@@ -58,9 +57,6 @@ def choose(request: Request, backend: str = "auto") -> Choice:
     return Choice(chosen, passed_over)
 
 
-_warned: set[tuple[str, str]] = set()
-
-
 def select(request: Request, backend: str = "auto"):
     """The backend module to run; warns once per (backend, reason) on fallback."""
     choice = choose(request, backend)
@@ -68,8 +64,7 @@ def select(request: Request, backend: str = "auto"):
         preferred = _PREFERENCE[devices.kind(request.device)][0]
         if choice.backend != preferred:
             reason = choice.passed_over[preferred]
-            if (choice.backend, reason) not in _warned:
-                _warned.add((choice.backend, reason))
-                warnings.warn(f"torchattn: backend {preferred!r} cannot serve this call ({reason}); "
-                              f"falling back to {choice.backend!r}", stacklevel=3)
+            once.warn(("fallback", choice.backend, reason),
+                      f"torchattn: backend {preferred!r} cannot serve this call ({reason}); "
+                      f"falling back to {choice.backend!r}", stacklevel=3)
     return BACKENDS[choice.backend]

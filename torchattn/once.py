@@ -1,8 +1,9 @@
-"""The patches' one warn-once rule: a warning about a given subject is shown once per process.
+"""torchattn's and patches' one warn-once rule: a warning about a given subject is shown once per process.
 
 Subjects are tuples naming what is warned about and for whom, e.g. ``("dense mask",
-"BertSelfAttention")``. Tests that need a warning again replace :data:`_shown` with an
-empty set (``monkeypatch.setattr(patches.once, "_shown", set())``).
+"BertSelfAttention")`` or ``("fallback", "xla", reason)``. Tests that need a warning again
+replace :data:`_shown` with an empty set (``monkeypatch.setattr(torchattn.once, "_shown", set())``).
+(torchattn/_versions.py keeps its own flag: it runs before the package is imported.)
 """
 
 from __future__ import annotations

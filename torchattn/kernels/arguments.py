@@ -47,6 +47,17 @@ def shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
     }
 
 
+def block_shapes(spec) -> dict[str, tuple | None]:
+    """The block of every array in :data:`ARRAYS` one grid step holds in VMEM (None: a dim the
+    kernel does not see); the bias's is None without a bias."""
+    bq, bkv, d = spec.block_q, spec.block_kv, spec.head_dim
+    rows, keys = (None, None, bq, d), (None, None, bkv, d)
+    per_row = (None, None, bq, LANES)
+    return {"q": rows, "k": keys, "v": keys, "do": rows, "lse": per_row, "delta": per_row,
+            "q_ids": (None, bq, LANES), "kv_ids": (None, SUBLANES, bkv),
+            "bias": spec.bias_block(bq, bkv) if spec.bias_shape is not None else None}
+
+
 def unpack(spec, refs, backward: bool):
     """A kernel's refs after the seed: ({array name: input ref, None where absent}, the remaining refs
     (outputs, then scratch))."""

@@ -21,9 +21,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..tiling import LANES, SUBLANES
 from . import arguments
-from .common import KernelSpec, block_scores, dropout_scale, load, pallas_function, q_grid_mask_specs, q_grid_maps
+from .common import KernelSpec, block_scores, block_specs, dropout_scale, load, pallas_function, q_grid_coords
 from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -122,15 +121,9 @@ def dq_call(spec: KernelSpec, with_ds: bool):
     q_pad, kv_pad). Other shapes as in :func:`forward_call`. Memoised per spec.
     """
     bq, bkv, d = spec.block_q, spec.block_kv, spec.head_dim
-    q_map, kv_map = q_grid_maps(spec)
-    in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bq, d), q_map),
-                pl.BlockSpec((None, None, bq, LANES), q_map),
-                pl.BlockSpec((None, None, bq, LANES), q_map),
-                *q_grid_mask_specs(spec)]
-    out_specs = [pl.BlockSpec((None, None, bq, d), q_map)]
+    blocks = block_specs(spec, q_grid_coords(spec))
+    in_specs = [blocks[name] for name in arguments.names(spec, backward=True)]
+    out_specs = [blocks["q"]]  # dq is laid out like q
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype))]
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, seed: (b, h, i, j)))
@@ -149,34 +142,18 @@ def dkv_call(spec: KernelSpec):
 
     dk, dv: like k and v. Memoised per spec.
     """
-    bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
+    bkv, d, g, nq = spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
 
-    def q_block(j, t):  # t walks (query head in the group, query block); skipped steps re-use a fetched block
-        return spec.blocks.fetched_q_block(j, t % nq, jnp)
+    def coords(b, hk, j, t):  # t walks (query head in the group, query block); skipped steps re-use a fetched block
+        return b, hk * g + t // nq, hk, spec.blocks.fetched_q_block(j, t % nq, jnp), j
 
-    def q_map(b, hk, j, t, seed):
-        return b, hk * g + t // nq, q_block(j, t), 0
-
-    def kv_map(b, hk, j, t, seed):
-        return b, hk, j, 0
-
-    in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bq, d), q_map),
-                pl.BlockSpec((None, None, bq, LANES), q_map),
-                pl.BlockSpec((None, None, bq, LANES), q_map)]
-    if spec.has_segments:
-        in_specs += [pl.BlockSpec((None, bq, LANES), lambda b, hk, j, t, seed: (b, q_block(j, t), 0)),
-                     pl.BlockSpec((None, SUBLANES, bkv), lambda b, hk, j, t, seed: (b, 0, j))]
-    if spec.bias_shape is not None:
-        in_specs.append(pl.BlockSpec(spec.bias_block(bq, bkv), lambda b, hk, j, t, seed: spec.bias_index(
-            b, hk * g + t // nq, q_block(j, t), j)))
+    blocks = block_specs(spec, coords)
+    in_specs = [blocks[name] for name in arguments.names(spec, backward=True)]
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
     return pallas_function(
         functools.partial(dkv_kernel, spec=spec),
         spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
-        in_specs=in_specs, out_specs=[pl.BlockSpec((None, None, bkv, d), kv_map)] * 2,
+        in_specs=in_specs, out_specs=[blocks["k"], blocks["v"]],  # dk, dv are laid out like k, v
         out_shape=[kv_shape, kv_shape],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
         name="torchattn_backward_dkv", cost_estimate=dkv_cost(spec))

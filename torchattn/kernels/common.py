@@ -14,11 +14,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
-from ..tiling import LANES, SUBLANES
+from . import arguments
 from .block_geometry import BlockGeometry
-
-# Per-row values (lse, delta, q segment ids) travel lane-broadcast as (rows, LANES);
-# per-column values (kv segment ids) sublane-broadcast as (SUBLANES, cols).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,35 +127,39 @@ def dropout_scale(spec: KernelSpec, seed, batch, head, q_block, kv_block, shape)
 # Block specs and launch plumbing shared by the kernel builders.
 
 
-def q_grid_maps(spec: KernelSpec):
-    """Index maps of a (batch, q_heads, q_blocks, kv_blocks) grid: (q-shaped, kv-shaped).
+def q_grid_coords(spec: KernelSpec):
+    """What a (batch, q_heads, q_blocks, kv_blocks) grid step reads: (batch, head, kv_head, q_block,
+    kv_block). GQA: query head h reads kv head h // groups; skipped kv blocks re-use a fetched one."""
+    def coords(b, h, i, j):
+        return b, h, h // spec.groups, i, spec.blocks.fetched_kv_block(i, j, jnp)
 
-    GQA: query head h reads kv head h // groups; skipped kv blocks re-use a fetched one.
+    return coords
+
+
+def block_specs(spec: KernelSpec, coords) -> dict[str, pl.BlockSpec]:
+    """A BlockSpec for every array of the argument contract (kernels/arguments.py) on one grid.
+
+    coords(*grid indices) -> (batch, head, kv_head, q_block, kv_block) of the step; each
+    array's index map picks its own from them (query-shaped arrays by query head and block,
+    key-shaped by kv head and key block, the bias by both).
     """
-    def q_map(b, h, i, j, seed):
-        return b, h, i, 0
+    def bias_index(b, h, hk, i, j):
+        return spec.bias_index(b, h, i, j)
 
-    def kv_map(b, h, i, j, seed):
-        return b, h // spec.groups, spec.blocks.fetched_kv_block(i, j, jnp), 0
+    pick = {
+        "q": lambda b, h, hk, i, j: (b, h, i, 0),
+        "k": lambda b, h, hk, i, j: (b, hk, j, 0),
+        "q_ids": lambda b, h, hk, i, j: (b, i, 0),
+        "kv_ids": lambda b, h, hk, i, j: (b, 0, j),
+        "bias": bias_index,
+    }
+    pick.update(v=pick["k"], do=pick["q"], lse=pick["q"], delta=pick["q"])
 
-    return q_map, kv_map
+    def block_spec(shape, choose):
+        return pl.BlockSpec(shape, lambda *grid: choose(*coords(*grid[:-1])))  # the last index is the seed ref
 
-
-def q_grid_mask_specs(spec: KernelSpec) -> list:
-    """Segment id and bias block specs for a (batch, q_heads, q_blocks, kv_blocks) grid."""
-    bq, bkv = spec.block_q, spec.block_kv
-
-    def kv_block(i, j):  # the key block kv_map fetches
-        return spec.blocks.fetched_kv_block(i, j, jnp)
-
-    specs = []
-    if spec.has_segments:
-        specs += [pl.BlockSpec((None, bq, LANES), lambda b, h, i, j, seed: (b, i, 0)),
-                  pl.BlockSpec((None, SUBLANES, bkv), lambda b, h, i, j, seed: (b, 0, kv_block(i, j)))]
-    if spec.bias_shape is not None:
-        specs.append(pl.BlockSpec(spec.bias_block(bq, bkv),
-                                  lambda b, h, i, j, seed: spec.bias_index(b, h, i, kv_block(i, j))))
-    return specs
+    shapes = arguments.block_shapes(spec)
+    return {name: block_spec(shapes[name], pick[name]) for name in arguments.ARRAYS if shapes[name] is not None}
 
 
 def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,

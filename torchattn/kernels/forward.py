@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES
 from . import arguments
-from .common import KernelSpec, block_scores, dropout_scale, load, pallas_function, q_grid_mask_specs, q_grid_maps
+from .common import KernelSpec, block_scores, block_specs, dropout_scale, load, pallas_function, q_grid_coords
 from .cost import forward_cost
 
 
@@ -69,14 +69,10 @@ def forward_call(spec: KernelSpec):
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,
     so torch_xla's call_jax cache (keyed by function id) hits.
     """
-    bq, bkv, d = spec.block_q, spec.block_kv, spec.head_dim
-    q_map, kv_map = q_grid_maps(spec)
-    in_specs = [pl.BlockSpec((None, None, bq, d), q_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                pl.BlockSpec((None, None, bkv, d), kv_map),
-                *q_grid_mask_specs(spec)]
-    out_specs = [pl.BlockSpec((None, None, bq, d), q_map),
-                 pl.BlockSpec((None, None, bq, LANES), q_map)]
+    bq, d = spec.block_q, spec.head_dim
+    blocks = block_specs(spec, q_grid_coords(spec))
+    in_specs = [blocks[name] for name in arguments.names(spec, backward=False)]
+    out_specs = [blocks["q"], blocks["lse"]]  # out is laid out like q, lse like the backward's lse
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype)),
                  jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, LANES), jnp.float32)]
     return pallas_function(

@@ -13,6 +13,8 @@ ids) over the 8 sublanes.
 
 from __future__ import annotations
 
+import math
+
 from ..tiling import LANES, SUBLANES
 
 # Every array any kernel takes, in argument order; each kernel takes a subsequence (see names).
@@ -56,6 +58,19 @@ def block_shapes(spec) -> dict[str, tuple | None]:
     return {"q": rows, "k": keys, "v": keys, "do": rows, "lse": per_row, "delta": per_row,
             "q_ids": (None, bq, LANES), "kv_ids": (None, SUBLANES, bkv),
             "bias": spec.bias_block(bq, bkv) if spec.bias_shape is not None else None}
+
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
+
+
+def block_bytes(spec) -> dict[str, int]:
+    """HBM bytes one block of each array (:func:`block_shapes`, in :func:`shapes`' dtype) moves."""
+    dtypes = {name: dtype for name, (_, dtype) in shapes(spec).items()}
+    sizes = {}
+    for name, block in block_shapes(spec).items():
+        if block is not None:
+            sizes[name] = math.prod(n for n in block if n is not None) * _ITEMSIZE[dtypes[name]]
+    return sizes
 
 
 def unpack(spec, refs, backward: bool):

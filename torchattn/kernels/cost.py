@@ -30,23 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ..tiling import LANES, SUBLANES
+from . import arguments
 from .common import KernelSpec
 
-_WORD = 4  # bytes of the float32/int32 operands: lse, delta, segment ids, bias, ds
+_WORD = 4  # bytes of a float32 score gradient (ds)
 
 
 def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
     """Forward kernel (out, lse), grid (batch, q_heads, q_blocks, kv_blocks)."""
     grid = _Grid.of_q_grid(spec)
-    q_rows, per_row = _q_block_bytes(spec)
-    moved = (grid.q_transfers() * (2 * q_rows + per_row)  # q read, out written; lse written
-             + grid.kv_transfers() * 2 * _kv_block_bytes(spec)  # k, v
-             + _mask_bytes(spec, grid))
+    block = arguments.block_bytes(spec)
+    moved = (grid.q_transfers() * (2 * block["q"] + block["lse"])  # q read, out written; lse written
+             + grid.kv_transfers() * (block["k"] + block["v"])
+             + _mask_bytes(spec, grid, block))
     tiles = grid.tiles_visited()
     row_exps = spec.block_q * (tiles + spec.batch * spec.q_heads * spec.num_q_blocks)  # rescale per tile, log
     return _estimate(spec, tiles, matmuls=2, extra_transcendentals=row_exps, bytes_accessed=moved)
@@ -55,10 +54,10 @@ def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
 def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
     """dq kernel, grid (batch, q_heads, q_blocks, kv_blocks); ``with_ds``: also the score gradient ds."""
     grid = _Grid.of_q_grid(spec)
-    q_rows, per_row = _q_block_bytes(spec)
-    moved = (grid.q_transfers() * (3 * q_rows + 2 * per_row)  # q, do, lse, delta read; dq written
-             + grid.kv_transfers() * 2 * _kv_block_bytes(spec)  # k, v
-             + _mask_bytes(spec, grid))
+    block = arguments.block_bytes(spec)
+    moved = (grid.q_transfers() * (2 * block["q"] + block["do"] + block["lse"] + block["delta"])  # dq written
+             + grid.kv_transfers() * (block["k"] + block["v"])
+             + _mask_bytes(spec, grid, block))
     if with_ds:  # written for every tile, skipped ones as zeros
         all_tiles = spec.batch * spec.q_heads * spec.num_q_blocks * spec.num_kv_blocks
         moved += all_tiles * spec.block_q * spec.block_kv * _WORD
@@ -68,10 +67,10 @@ def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
 def dkv_cost(spec: KernelSpec) -> pl.CostEstimate:
     """dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks)."""
     grid = _Grid.of_kv_grid(spec)
-    q_rows, per_row = _q_block_bytes(spec)
-    moved = (grid.q_transfers() * (2 * q_rows + 2 * per_row)  # q, do, lse, delta
-             + grid.kv_transfers() * 4 * _kv_block_bytes(spec)  # k, v read; dk, dv written
-             + _mask_bytes(spec, grid))
+    block = arguments.block_bytes(spec)
+    moved = (grid.q_transfers() * (block["q"] + block["do"] + block["lse"] + block["delta"])
+             + grid.kv_transfers() * 2 * (block["k"] + block["v"])  # k, v read; dk, dv written
+             + _mask_bytes(spec, grid, block))
     return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0, bytes_accessed=moved)
 
 
@@ -144,27 +143,17 @@ def _changes(arrays: list, length: int) -> np.ndarray:
     return changed
 
 
-def _q_block_bytes(spec: KernelSpec) -> tuple[int, int]:
-    """Bytes of a (block_q, head_dim) block and of a lane-broadcast per-row (block_q, 128) float32 block."""
-    return spec.block_q * spec.head_dim * jnp.dtype(spec.dtype).itemsize, spec.block_q * LANES * _WORD
-
-
-def _kv_block_bytes(spec: KernelSpec) -> int:
-    return spec.block_kv * spec.head_dim * jnp.dtype(spec.dtype).itemsize
-
-
-def _mask_bytes(spec: KernelSpec, grid: _Grid) -> int:
-    """Segment ids (q: (block_q, 128), kv: (8, block_kv) int32) and the bias, broadcast dims read once."""
+def _mask_bytes(spec: KernelSpec, grid: _Grid, block: dict[str, int]) -> int:
+    """Segment ids and the bias (``block``: bytes per block), broadcast dims read once."""
     moved = 0
     if spec.has_segments:
-        moved += (grid.transfers([grid.batch], [grid.q_block]) * spec.block_q * LANES
-                  + grid.transfers([grid.batch], [grid.kv_block]) * SUBLANES * spec.block_kv) * _WORD
+        moved += (grid.transfers([grid.batch], [grid.q_block]) * block["q_ids"]
+                  + grid.transfers([grid.batch], [grid.kv_block]) * block["kv_ids"])
     if spec.bias_shape is not None:
         bias_batch, bias_heads, bias_q, bias_kv = (size > 1 for size in spec.bias_shape)
         outer = [grid.batch] * bias_batch + [grid.head] * bias_heads
         inner = [grid.group] * bias_heads + [grid.q_block] * bias_q + [grid.kv_block] * bias_kv
-        rows, cols = spec.bias_block(spec.block_q, spec.block_kv)[2:]
-        moved += grid.transfers(outer, inner) * rows * cols * _WORD
+        moved += grid.transfers(outer, inner) * block["bias"]
     return moved
 
 

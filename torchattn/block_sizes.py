@@ -9,6 +9,10 @@ from .tiling import LANES, SUBLANES, round_up
 from .types import is_bool
 
 
+# The multiple each block size must be: query blocks tile the TPU vreg's sublanes, key blocks its lanes.
+MULTIPLES = {"block_q": SUBLANES, "block_kv": LANES, "block_q_bwd": SUBLANES, "block_kv_bwd": LANES}
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
     """Block sizes of the Pallas kernels (and of the ``xla`` backend's loop).
@@ -29,10 +33,8 @@ class BlockSizes:
     block_kv_bwd: int
 
     def __post_init__(self):
-        for name in ("block_q", "block_q_bwd"):
-            _check_multiple(name, getattr(self, name), SUBLANES)
-        for name in ("block_kv", "block_kv_bwd"):
-            _check_multiple(name, getattr(self, name), LANES)
+        for name, multiple in MULTIPLES.items():
+            _check_multiple(name, getattr(self, name), multiple)
         for field in dataclasses.fields(self):  # NumPy integers become plain ints (hashable, JSON-able)
             object.__setattr__(self, field.name, int(getattr(self, field.name)))
 

@@ -17,13 +17,11 @@ import math
 import sys
 
 from .. import generations
-from ..block_sizes import BlockSizes
+from ..block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
-from ..tiling import LANES, SUBLANES
 from .attention import BIAS_KINDS, Attention, compile_attention
 
 MiB = 1 << 20
-BLOCK_FLAGS = {"block_q": SUBLANES, "block_kv": LANES, "block_q_bwd": SUBLANES, "block_kv_bwd": LANES}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,7 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     features.add_argument("--dropout", type=_float_where(lambda p: 0 <= p < 1, "a probability in [0, 1)"),
                           default=0.0, metavar="P", help="attention dropout probability")
     blocks = parser.add_argument_group("block sizes", "any subset; the others take the generation's default")
-    for name, multiple in BLOCK_FLAGS.items():
+    for name, multiple in MULTIPLES.items():
         blocks.add_argument("--" + name.replace("_", "-"), type=_positive_int(multiple),
                             help=f"a multiple of {multiple}")
     args = parser.parse_args(argv)
@@ -104,7 +102,7 @@ def attention_from(args: argparse.Namespace) -> Attention:
 
 def block_sizes(args: argparse.Namespace, attention: Attention, generation: str) -> BlockSizes:
     """The given block flags over the generation's defaults, clamped to the lengths as a call clamps them."""
-    given = {name: getattr(args, name) for name in BLOCK_FLAGS if getattr(args, name) is not None}
+    given = {name: getattr(args, name) for name in MULTIPLES if getattr(args, name) is not None}
     blocks = dataclasses.replace(attention.default_block_sizes(generation), **given)
     return blocks.clamped(attention.q_len, attention.kv_len)
 

@@ -4,7 +4,7 @@
 # on every worker at once (SPMD: one process per host). Creates nothing and deletes nothing:
 # the TPU VM must exist (gcloud compute tpus tpu-vm create ...), and stays when this ends.
 #
-#   bash scripts/tpu_pod.sh [--dry-run] [--project PROJECT] NAME ZONE [python -m train flags...]
+#   bash scripts/tpu_pod.sh [--dry-run] [--project PROJECT] NAME ZONE [--] [python -m train flags...]
 #   bash scripts/tpu_pod.sh my-v4-32 us-central2-b --mesh fsdp=16 --output-dir /mnt/shared/run1
 #
 # Each gcloud command is printed before it runs; --dry-run only prints them. The checkout
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-usage="usage: bash scripts/tpu_pod.sh [--dry-run] [--project PROJECT] NAME ZONE [python -m train flags...]"
+usage="usage: bash scripts/tpu_pod.sh [--dry-run] [--project PROJECT] NAME ZONE [--] [python -m train flags...]"
 remote_dir=torchattn  # under each worker's home folder
 archive_name=torchattn-checkout.tar.gz
 
@@ -43,6 +43,9 @@ done
 [[ $# -ge 2 ]] || fail "expected the TPU VM's NAME and ZONE, got ${#} argument(s)"
 name=$1 zone=$2
 shift 2
+if [[ ${1:-} == -- ]]; then  # NAME ZONE -- flags: the separator is ours, not python -m train's
+    shift
+fi
 [[ -n $name && $name != -* ]] || fail "NAME: expected a TPU VM name, got '$name'"
 [[ -n $zone && $zone != -* ]] || fail "ZONE: expected a zone such as us-central2-b, got '$zone'"
 train_flags=("$@")

@@ -79,11 +79,11 @@ def test_each_command_is_printed_before_it_runs(pod):
 
 
 def test_dry_run_prints_the_commands_and_runs_none(pod):
-    done, calls = pod("--dry-run", "my-pod", "us-central2-b", "--mesh", "fsdp=4")
+    done, calls = pod("--dry-run", "my-pod", "us-central2-b", "--", "--mesh", "fsdp=4")
     assert done.returncode == 0, done.stderr
     assert calls == []
     printed = [line for line in done.stdout.splitlines() if line.startswith("+ gcloud ")]
-    assert len(printed) == 3 and "--mesh fsdp=4" in printed[-1]
+    assert len(printed) == 3 and printed[-1].endswith("-m train --mesh fsdp=4'"), printed[-1]
 
 
 @pytest.mark.parametrize("args", [[], ["my-pod"], ["--bogus", "my-pod", "us-central2-b"], ["--project"],

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from train.config import RECIPES, ConfigError, RunConfig, build_parser, parse_args, save_config
+from train.config import RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args, save_config
 
 # Every flag issue 7 names, spelled as it does.
 ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
@@ -72,3 +72,40 @@ def test_bad_values_name_flag_expected_and_given(argv, message):
     with pytest.raises(ConfigError) as error:
         parse_args(argv)
     assert str(error.value) == message
+
+
+def test_mesh_axes_in_layout_order_from_flag_and_file(tmp_path):
+    config = parse_args(["--mesh", "fsdp=2,data=2"])
+    assert config.mesh == "fsdp=2,data=2"
+    assert mesh_axes(config.mesh) == {"data": 2, "fsdp": 2}
+    assert list(mesh_axes(" model = 2 , data=4")) == ["data", "model"]
+    path = tmp_path / "run.toml"
+    path.write_text('mesh = "data=2,fsdp=2"\nbatch-size = 8\n')
+    assert parse_args(["--config", str(path)]).mesh == "data=2,fsdp=2"
+    assert parse_args([]).mesh is None, "no --mesh: one device, as before"
+
+
+MESH_EXPECTED = ("expected axis=size pairs separated by commas, axes from data, fsdp, model (each at most once), "
+                 "sizes positive integers")
+
+
+@pytest.mark.parametrize("value", ["data=0", "data=2,data=2", "tensor=2", "data=2.5", "data", "data=-1", "",
+                                   "data=2,,fsdp=2"])
+def test_bad_mesh_names_the_flag_expected_and_given(value):
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--mesh", value])
+    assert str(error.value) == f"--mesh: {MESH_EXPECTED}, got {value!r}"
+
+
+def test_mesh_needs_a_global_batch_the_batch_axes_divide():
+    assert parse_args(["--mesh", "data=2,fsdp=2,model=2", "--batch-size", "4"]).batch_size == 4
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--mesh", "data=2,fsdp=2", "--batch-size", "6"])
+    assert str(error.value) == "--batch-size: expected a multiple of 4 (the data x fsdp devices of --mesh " \
+                               "data=2,fsdp=2), got 6"
+
+
+def test_help_says_batch_size_is_global_under_a_mesh():
+    text = " ".join(build_parser().format_help().split())
+    assert "--mesh MESH" in text
+    assert "with --mesh the global batch, over all devices and hosts" in text

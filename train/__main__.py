@@ -3,6 +3,7 @@
     python -m train                                   # recipe bbc-topics: MiniLM on BBC News
     python -m train --recipe sotu-lm --max-steps 20   # SmolLM2-135M on State of the Union speeches
     python -m train --output-dir runs/x --resume      # continue an interrupted run
+    python -m train --mesh data=2,fsdp=2              # every device of the host(s), torch_xla SPMD
     python -m train --help                            # every flag
 
 A bad input stops before any training step with one line on stderr and exit status 2.
@@ -51,6 +52,8 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         return _bad_input(error)
     try:
         print(f"output folder: {trainer.config.output_dir}", flush=True)
+        if trainer.spmd is not None:
+            print(f"mesh: {trainer.spmd.description}", flush=True)
         summary = trainer.train()
     except Interrupted as stop:
         return 128 + stop.signum

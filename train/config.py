@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any
@@ -22,6 +23,10 @@ from typing import Any
 TASKS = ("classification", "lm")
 ATTNS = ("torchattn", "sdpa", "eager")
 SCHEDULES = ("linear", "cosine")
+# --mesh axes, in the order the device mesh is laid out: the batch is split over data and fsdp,
+# the parameters over fsdp, attention heads over model.
+MESH_AXES = ("data", "fsdp", "model")
+BATCH_AXES = ("data", "fsdp")
 
 
 class ConfigError(ValueError):
@@ -50,7 +55,8 @@ class RunConfig:
                            default=128)
     attn: str = _doc("attention implementation: torchattn|sdpa|eager", default="torchattn")
     backend: str = _doc("torchattn backend for --attn torchattn (auto picks by device)", default="auto")
-    batch_size: int = _doc("sequences per micro-batch (every batch has exactly this many rows)", default=16)
+    batch_size: int = _doc("sequences per micro-batch (every batch has exactly this many rows); with --mesh the "
+                           "global batch, over all devices and hosts", default=16)
     grad_accum: int = _doc("micro-batches per optimizer step", default=1)
     lr: float = _doc("peak learning rate (AdamW)", default=1e-4)
     lr_schedule: str = _doc("decay after warm-up: linear|cosine", default="linear")
@@ -77,6 +83,9 @@ class RunConfig:
     resume: bool = _doc("continue from the latest checkpoint in --output-dir", default=False)
     profile: str | None = _doc("capture a torch_xla profile of a few steps after warm-up into this folder",
                                default=None)
+    mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
+                            "axes data, fsdp (batch and parameters) and model (attention heads), sizes "
+                            "multiplying to the device count (default: one device)", default=None)
 
     def __post_init__(self):
         _check_choice("recipe", self.recipe, tuple(RECIPES))
@@ -95,6 +104,10 @@ class RunConfig:
         _check("max_grad_norm", self.max_grad_norm, self.max_grad_norm >= 0, "a number >= 0")
         _check("eval_fraction", self.eval_fraction, 0 < self.eval_fraction < 1, "a fraction in (0, 1)")
         _check("dropout", self.dropout, self.dropout is None or 0 <= self.dropout < 1, "a probability in [0, 1)")
+        if self.mesh is not None:
+            rows = batch_devices(mesh_axes(self.mesh))
+            _check("batch_size", self.batch_size, self.batch_size % rows == 0,
+                   f"a multiple of {rows} (the data x fsdp devices of --mesh {self.mesh})")
 
     def with_output_dir(self) -> "RunConfig":
         """This config with --output-dir resolved (runs/<recipe>-<timestamp> when not given)."""
@@ -115,6 +128,23 @@ def _check(name: str, value, ok: bool, expected: str) -> None:
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
     _check(name, value, value in choices, "one of " + ", ".join(choices))
+
+
+def mesh_axes(text: str) -> dict[str, int]:
+    """--mesh's value as {axis: size} in MESH_AXES order: "fsdp=2,data=2" -> {"data": 2, "fsdp": 2}."""
+    expected = f"axis=size pairs separated by commas, axes from {', '.join(MESH_AXES)} (each at most once), " \
+               "sizes positive integers"
+    sizes = {}
+    for pair in text.split(","):
+        axis, _, size = (part.strip() for part in pair.partition("="))
+        _check("mesh", text, axis in MESH_AXES and axis not in sizes and size.isdecimal() and int(size) > 0, expected)
+        sizes[axis] = int(size)
+    return {axis: sizes[axis] for axis in MESH_AXES if axis in sizes}
+
+
+def batch_devices(axes: dict[str, int]) -> int:
+    """How many parts a global batch is split into: the product of the data and fsdp sizes."""
+    return math.prod(axes.get(axis, 1) for axis in BATCH_AXES)
 
 
 RECIPES: dict[str, dict[str, Any]] = {

@@ -342,6 +342,18 @@ def length_buckets(max_length: int, smallest: int = 64) -> tuple[int, ...]:
     return tuple(buckets) + (max_length,)
 
 
+def host_rows(batch_size: int, host: int, hosts: int) -> slice:
+    """The rows of a global batch of ``batch_size`` that ``host`` (0-based, of ``hosts``) reads: the
+    host-th of ``hosts`` equal consecutive parts, the order in which torch_xla's minibatch input
+    sharding puts the hosts' parts together into the global batch."""
+    if not isinstance(hosts, int) or hosts < 1 or batch_size % hosts:
+        raise ValueError(f"hosts: expected a positive int dividing batch_size {batch_size}, got {hosts!r}")
+    if not isinstance(host, int) or not 0 <= host < hosts:
+        raise ValueError(f"host: expected an int in [0, {hosts}), got {host!r}")
+    part = batch_size // hosts
+    return slice(host * part, (host + 1) * part)
+
+
 class BatchLoader:
     """Fixed-size batches of CPU tensors padded to a length bucket, in a deterministic order per (seed, epoch).
 
@@ -351,12 +363,17 @@ class BatchLoader:
     input_ids, position_ids, labels, each (B, L) int64 with L = the row length (buckets do not apply).
     With drop_last=False the last batch is filled up to batch_size with padding rows (pad_id tokens,
     attention_mask all zero, labels -100) so the shape never changes; B is always batch_size.
+
+    With ``hosts`` > 1 (a multi-host SPMD run) each batch is ``batch_size`` global rows, of which
+    this ``host`` builds only its own (``host_rows``: B = batch_size / hosts), padded to the length
+    bucket of the whole global batch so that every host's part has the same shape.
     """
 
     def __init__(self, dataset: datasets.Dataset, *, batch_size: int, buckets: tuple[int, ...], pad_id: int,
-                 shuffle: bool, seed: int, drop_last: bool):
+                 shuffle: bool, seed: int, drop_last: bool, host: int = 0, hosts: int = 1):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
+        self._host_rows = host_rows(batch_size, host, hosts)
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets: expected increasing positive lengths, got {buckets!r}")
         if not isinstance(seed, int) or seed < 0:
@@ -399,16 +416,21 @@ class BatchLoader:
         order = (np.random.default_rng([self.seed, epoch]).permutation(self._size) if self.shuffle
                  else np.arange(self._size))
         for b in range(start, len(self)):
-            rows = order[b * self.batch_size:(b + 1) * self.batch_size]
+            rows = order[b * self.batch_size:(b + 1) * self.batch_size]  # the global batch
             yield self._lm_batch(rows) if self.lm else self._classification_batch(rows)
 
+    def _own(self, rows: np.ndarray) -> np.ndarray:
+        """This host's share of a global batch's rows (fewer at the end of drop_last=False: padding follows)."""
+        return rows[self._host_rows]
+
     def _classification_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        longest = max(len(self._input_ids[r]) for r in rows)
+        longest = max(len(self._input_ids[r]) for r in rows)  # over the global batch: one shape on every host
         length = next(bucket for bucket in self.buckets if bucket >= longest)
-        input_ids = np.full((self.batch_size, length), self.pad_id, dtype=np.int64)  # (B, L)
-        attention_mask = np.zeros((self.batch_size, length), dtype=np.int64)        # (B, L)
-        labels = np.full(self.batch_size, IGNORE_INDEX, dtype=np.int64)              # (B,)
-        for i, r in enumerate(rows):
+        size = self._host_rows.stop - self._host_rows.start
+        input_ids = np.full((size, length), self.pad_id, dtype=np.int64)  # (B, L)
+        attention_mask = np.zeros((size, length), dtype=np.int64)        # (B, L)
+        labels = np.full(size, IGNORE_INDEX, dtype=np.int64)              # (B,)
+        for i, r in enumerate(self._own(rows)):
             ids = self._input_ids[r]
             input_ids[i, :len(ids)] = ids
             attention_mask[i, :len(ids)] = 1
@@ -418,9 +440,11 @@ class BatchLoader:
 
     def _lm_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         length = self._rows["input_ids"].shape[1]
-        batch = {"input_ids": np.full((self.batch_size, length), self.pad_id, dtype=np.int64),       # (B, L)
-                 "position_ids": np.broadcast_to(np.arange(length), (self.batch_size, length)).copy(),  # (B, L)
-                 "labels": np.full((self.batch_size, length), IGNORE_INDEX, dtype=np.int64)}           # (B, L)
+        size = self._host_rows.stop - self._host_rows.start
+        rows = self._own(rows)
+        batch = {"input_ids": np.full((size, length), self.pad_id, dtype=np.int64),       # (B, L)
+                 "position_ids": np.broadcast_to(np.arange(length), (size, length)).copy(),  # (B, L)
+                 "labels": np.full((size, length), IGNORE_INDEX, dtype=np.int64)}           # (B, L)
         for key, value in batch.items():
             value[:len(rows)] = self._rows[key][rows]
         return {key: torch.from_numpy(value) for key, value in batch.items()}

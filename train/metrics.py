@@ -139,4 +139,6 @@ def summary_table(summary: dict) -> str:
         ("model", summary["model_dir"]),
         ("checkpoints", summary["checkpoints"]),
     ]
+    if "mesh" in summary:
+        rows.append(("mesh", summary["mesh"]))
     return table(rows)

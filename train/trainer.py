@@ -15,7 +15,10 @@ host only on logged steps.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import itertools
 import logging
 import math
 import os
@@ -28,8 +31,9 @@ import numpy as np
 import torch
 
 from . import checkpoint, metrics
-from .config import ConfigError, RunConfig, save_config, CONFIG_FILE
+from .config import ConfigError, RunConfig, save_config, CONFIG_FILE, mesh_axes
 from .guards import CompileWatch, MemoryWatch, peak_host_rss
+from .parallel import Spmd
 
 log = logging.getLogger("train")
 
@@ -110,12 +114,21 @@ class Trainer:
         if config.resume and config.output_dir is None:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
         self.config = config = config.with_output_dir()
-        # accelerate: the XLA device, and under `accelerate launch` on a TPU VM the process
-        # rank, world size and the gradient all-reduce in the optimizer step (see README).
-        self.accelerator = Accelerator()
-        self.device = self.accelerator.device
-        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-        self.is_main = self.accelerator.is_main_process  # the one process that writes files
+        self.spmd: Spmd | None = None
+        if config.mesh is None:
+            # accelerate: the XLA device, and under `accelerate launch` on a TPU VM the process
+            # rank, world size and the gradient all-reduce in the optimizer step (see README).
+            self.accelerator = Accelerator()
+            self.device = self.accelerator.device
+            self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+            self.is_main = self.accelerator.is_main_process  # the one process that writes files
+        else:
+            # SPMD: one process per host drives all devices, GSPMD reduces the gradients (train/parallel.py).
+            self.spmd = Spmd(mesh_axes(config.mesh))  # before anything touches the device
+            self.spmd.check_batch_size(config.batch_size)
+            self.device = self.spmd.device
+            self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
+            self.is_main = self.spmd.host == 0
         self.checkpointer = checkpoint.Checkpointer(config.output_dir, every=config.save_steps,
                                                     keep=config.keep_checkpoints, writer=self.is_main)
         self._resume_path = self._check_output_dir()
@@ -139,8 +152,9 @@ class Trainer:
         tokenized = tokenize(splits, self.tokenizer, config.max_length)
         # LM rows are packed to exactly max_length; classification batches take a bucket.
         buckets = data.length_buckets(config.max_length) if config.task == "classification" else (config.max_length,)
+        host, hosts = (self.spmd.host, self.spmd.hosts) if self.spmd else (0, 1)
         loader = dict(batch_size=config.batch_size, buckets=buckets, pad_id=self.tokenizer.pad_token_id,
-                      seed=config.seed)
+                      seed=config.seed, host=host, hosts=hosts)
         self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
         self.eval_loader = data.BatchLoader(tokenized["eval"], shuffle=False, drop_last=False, **loader)
         if len(self.train_loader) == 0:
@@ -160,9 +174,14 @@ class Trainer:
 
             enable_activation_checkpointing(self.model)
         # Weight decay is applied by _optimizer_step itself (see there), so AdamW gets 0.
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=0.0)
-        # Moves the model to the device; the optimizer then all-reduces gradients across processes.
-        self.model, self.optimizer = self.accelerator.prepare(self.model, optimizer)
+        adamw = functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=0.0)
+        if self.spmd is None:
+            # Moves the model to the device; the optimizer then all-reduces gradients across processes.
+            self.model, self.optimizer = self.accelerator.prepare(self.model, adamw(self.model.parameters()))
+        else:
+            # Sharded before the optimizer takes the parameters: moving to the device replaces them.
+            self.model = self.spmd.shard_model(self.model)
+            self.optimizer = adamw(self.model.parameters())
         warmup_steps = int(config.warmup * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
             step, warmup_steps=warmup_steps, total_steps=self.total_steps, schedule=config.lr_schedule))
@@ -188,6 +207,10 @@ class Trainer:
         self._step_times: list[tuple[float, int]] = []  # (seconds, tokens) of steps after warm-up
         self._final_eval: dict | None = None
         self._profile_end: int | None = None  # last step of the --profile trace; -1 once written
+        # Entered once for the whole run (torchattn's kernels per device under --mesh); close() leaves it.
+        self._contexts = contextlib.ExitStack()
+        if self.spmd is not None:
+            self._contexts.enter_context(self.spmd.attention())
 
     def _check_output_dir(self) -> str | None:
         """The checkpoint to resume from; refuses a folder holding another run's checkpoints."""
@@ -252,13 +275,15 @@ class Trainer:
         micro_losses: list[torch.Tensor] = []
         tokens, compiled = 0, 0
         started = time.perf_counter()
-        batches = self.train_loader.epoch(self.position.epoch, start=self.position.batch)
-        for index, batch in enumerate(batches, start=self.position.batch):
+        # Only the batches the remaining steps take: a parallel loader reading ahead then ends with them.
+        needed = (self.total_steps - self.position.step) * config.grad_accum * self.world
+        batches = itertools.islice(self.train_loader.epoch(self.position.epoch, start=self.position.batch), needed)
+        for index, (batch, inputs) in enumerate(self._placed(batches), start=self.position.batch):
             self.position.batch = index + 1
             if index % self.world != self.rank:
                 continue
             tokens += self._tokens(batch)
-            loss, new = self._micro_step(batch)
+            loss, new = self._micro_step(inputs)
             micro_losses.append(loss)
             compiled += new
             if len(micro_losses) < config.grad_accum:
@@ -283,6 +308,15 @@ class Trainer:
     def _zero_grads(self) -> None:
         for parameter in self.model.parameters():
             parameter.grad = torch.zeros_like(parameter)
+        if self.spmd is not None:
+            self.spmd.shard_like_parameters(self.model, self.optimizer)
+
+    def _placed(self, batches):
+        """(CPU batch, model input) pairs. Under --mesh the input is already on the devices, split over
+        the batch axes by torch_xla's parallel loader; otherwise it is the CPU batch, moved in the step."""
+        if self.spmd is None:
+            return ((batch, batch) for batch in batches)
+        return self.spmd.device_batches(batches)
 
     def _sync(self, kind: str, work, *args, shape: tuple[int, ...] = (), **kwargs) -> int:
         """Runs ``work`` and executes the graph it traced; returns how many graphs that compiled."""
@@ -334,6 +368,8 @@ class Trainer:
             self.scheduler.step()
             # Zeroed in place, not set to None: the next micro-batch's graph stays the same.
             self.optimizer.zero_grad(set_to_none=False)
+            if self.spmd is not None:  # the step's outputs keep the parameters' sharding
+                self.spmd.shard_like_parameters(self.model, self.optimizer)
 
         return self._sync("optimizer", update)
 
@@ -388,29 +424,29 @@ class Trainer:
 
         self.model.eval()
         outputs, labels, token_counts = [], [], []
-        for index, batch in enumerate(self.eval_loader.epoch(0)):
-            if self.config.eval_batches is not None and index >= self.config.eval_batches:
-                break
-            inputs = {name: tensor.to(self.device) for name, tensor in batch.items()}
+        # Labels and token counts are read from the device: under --mesh with several hosts, the
+        # CPU batch holds only this host's rows.
+        for batch, inputs in self._placed(itertools.islice(self.eval_loader.epoch(0), self.config.eval_batches)):
+            inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
             with self._autocast():
                 output = self.model(**inputs)
             if self.config.task == "classification":
                 outputs.append(output.logits.argmax(dim=-1))
-                labels.append(batch["labels"])
+                labels.append(inputs["labels"])
             else:
                 # HF's causal LM loss: mean over the tokens whose shifted label is not -100.
-                counted = int((batch["labels"][:, 1:] != -100).sum())
+                counted = (inputs["labels"][:, 1:] != -100).sum()
                 outputs.append(output.loss * counted)
                 token_counts.append(counted)
             torch_xla.sync()
             self.compiles.after("eval", tuple(batch["input_ids"].shape), self.position.step)
         if self.config.task == "classification":
             predictions = torch.cat([p.cpu() for p in outputs]).numpy()
-            truth = torch.cat(labels).numpy()
+            truth = torch.cat([label.cpu() for label in labels]).numpy()
             real = truth != -100  # rows that only fill the last batch up
             result = classification_scores(predictions[real], truth[real], len(self.label_names))
         else:
-            nll = sum(t.item() for t in outputs) / sum(token_counts)
+            nll = sum(t.item() for t in outputs) / sum(t.item() for t in token_counts)
             result = {"perplexity": math.exp(nll)}
         record = {"step": self.position.step, "eval": True, **result}
         self.metrics.write(record)
@@ -429,7 +465,8 @@ class Trainer:
         model_dir = os.path.join(config.output_dir, "model")
         records = self.metrics.read()
         if self.is_main:
-            save_model(self.accelerator.unwrap_model(self.model), self.tokenizer, model_dir)
+            save_model(self.model if self.spmd else self.accelerator.unwrap_model(self.model), self.tokenizer,
+                       model_dir)
             metrics.plot_loss(records, os.path.join(config.output_dir, metrics.PLOT_FILE))
         seconds = sum(t for t, _ in self._step_times)
         summary = {name: value for name, value in self._final_eval.items() if name not in ("step", "eval")}
@@ -442,10 +479,13 @@ class Trainer:
             "peak_host_bytes": peak_host_rss(), "peak_device_bytes": self.memory.peak_device(),
             "model_dir": model_dir, "checkpoints": self.checkpointer.directory,
         })
+        if self.spmd is not None:
+            summary["mesh"] = self.spmd.description
         return summary
 
     def close(self) -> None:
-        """Releases what train() may have left open (a profile trace)."""
+        """Releases what train() may have left open (a profile trace) and leaves the run's contexts."""
+        self._contexts.close()
         if self.config.profile and self._profile_end not in (None, -1):
             import torch_xla.debug.profiler as xp
 

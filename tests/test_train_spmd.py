@@ -1,0 +1,185 @@
+"""python -m train --mesh: the trainer under torch_xla SPMD on 4 virtual XLA:CPU devices.
+
+The runs with a mesh are subprocesses (SPMD must be on before anything touches the XLA device;
+this pytest process is single-device); their single-device twins run here. Equivalence: with
+dropout off, a run over a data=2 x fsdp=2 mesh logs the same loss at every step as the
+single-device run with the same flags and global batch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import pytest
+
+import train_tiny
+from train.__main__ import main
+from train.data import BatchLoader, host_rows
+from train.metrics import MetricsFile
+from train.parallel import parameter_spec
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MESH = ["--mesh", "data=2,fsdp=2"]
+REL = 1e-4  # the issue's tolerance on each step's loss
+
+
+def run_spmd(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python <args>`` from the repository root with 4 virtual XLA:CPU devices."""
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", XLA_COMPILATION_CACHE_SIZE="8")
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def losses(output_dir) -> list[float]:
+    return [r["loss"] for r in MetricsFile(str(output_dir)).read() if "loss" in r]
+
+
+def largest_relative_difference(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+# --- which rows each host reads ---------------------------------------------------------------------
+
+def test_each_host_reads_its_consecutive_block_of_the_global_batch():
+    assert [host_rows(8, host, 2) for host in range(2)] == [slice(0, 4), slice(4, 8)]
+    assert [host_rows(12, host, 4) for host in range(4)] == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 12)]
+    assert host_rows(16, 0, 1) == slice(0, 16), "one host reads the whole batch"
+
+
+@pytest.mark.parametrize("batch_size, host, hosts, message", [
+    (8, 0, 3, "hosts: expected a positive int dividing batch_size 8, got 3"),
+    (8, 2, 2, "host: expected an int in [0, 2), got 2"),
+    (8, 0, 0, "hosts: expected a positive int dividing batch_size 8, got 0"),
+])
+def test_host_rows_refuses_a_split_that_does_not_exist(batch_size, host, hosts, message):
+    with pytest.raises(ValueError) as error:
+        host_rows(batch_size, host, hosts)
+    assert str(error.value) == message
+
+
+def _classification_rows() -> datasets.Dataset:
+    # 10 rows; row 7 is the only one longer than 64 tokens.
+    ids = [list(range(1, 6 + i)) for i in range(10)]
+    ids[7] = list(range(1, 100))
+    return datasets.Dataset.from_dict({"input_ids": ids, "label": [i % 3 for i in range(10)]})
+
+
+def _lm_rows() -> datasets.Dataset:
+    rows = np.arange(10 * 8).reshape(10, 8)
+    return datasets.Dataset.from_dict({"input_ids": rows.tolist(), "position_ids": (rows % 8).tolist(),
+                                       "labels": rows.tolist()})
+
+
+@pytest.mark.parametrize("rows", [_classification_rows, _lm_rows])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_host_parts_put_together_are_the_global_batch(rows, drop_last):
+    dataset = rows()
+    loader = dict(batch_size=4, buckets=(64, 128), pad_id=0, shuffle=True, seed=3, drop_last=drop_last)
+    whole = list(BatchLoader(dataset, **loader).epoch(1))
+    parts = [list(BatchLoader(dataset, host=host, hosts=2, **loader).epoch(1)) for host in range(2)]
+    assert len(parts[0]) == len(parts[1]) == len(whole)
+    for index, batch in enumerate(whole):
+        for name, tensor in batch.items():
+            first, second = parts[0][index][name], parts[1][index][name]
+            assert first.shape[0] == second.shape[0] == 2, name
+            # Same length on both hosts, chosen by the global batch's longest row.
+            assert np.array_equal(np.concatenate([first, second]), tensor), (index, name)
+
+
+def test_a_host_pads_its_rows_to_the_global_batchs_length_bucket():
+    loader = BatchLoader(_classification_rows(), batch_size=10, buckets=(64, 128), pad_id=0, shuffle=False, seed=0,
+                         drop_last=True, host=0, hosts=2)
+    (batch,) = loader.epoch(0)
+    assert batch["input_ids"].shape == (5, 128), "row 7 (99 tokens, host 1's) sets the length of host 0's part too"
+
+
+# --- parameter layout ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape, fsdp, spec", [
+    ((30522, 384), 2, ("fsdp", None)),  # MiniLM's word embeddings: vocabulary split
+    ((5, 384), 2, (None, "fsdp")),      # a classifier of 5 labels: 5 is odd, 384 is not
+    ((384,), 4, ("fsdp",)),
+    ((5,), 2, (None,)),                 # nothing divides: replicated
+    ((384, 384), 2, ("fsdp", None)),    # equal dimensions: the first
+    ((384, 1536), 2, (None, "fsdp")),   # the largest dimension
+    ((384, 384), 1, (None, None)),      # no fsdp axis
+])
+def test_parameter_spec(shape, fsdp, spec):
+    assert parameter_spec(shape, fsdp) == spec
+
+
+# --- end to end on 4 virtual devices -------------------------------------------------------------------
+
+BBC = ["--max-length", "64", "--max-steps", "3", "--log-steps", "1", "--eval-batches", "1", "--dropout", "0"]
+
+
+@pytest.mark.slow
+def test_default_recipe_on_a_mesh_logs_the_single_device_losses_with_sharded_state(tmp_path):
+    """bbc-topics (MiniLM, global batch 16) over data=2 x fsdp=2, against one device."""
+    spmd = run_spmd(["tests/spmd_train_probe.py", *BBC, *MESH, "--output-dir", str(tmp_path / "mesh")])
+    assert spmd.returncode == 0, spmd.stderr[-3000:]
+    probe = json.loads(spmd.stdout.strip().splitlines()[-1])
+    assert main(BBC + ["--output-dir", str(tmp_path / "one")]) == 0
+    single = losses(tmp_path / "one")
+    assert len(single) == 3
+    difference = largest_relative_difference(probe["losses"], single)
+    print(f"bbc-topics: largest relative loss difference per step {difference:.2e}")
+    assert probe["losses"] == pytest.approx(single, rel=REL)
+
+    summary = probe["summary"]
+    assert summary["mesh"] == "data=2,fsdp=2 (4 devices, 1 host)"
+    assert summary["compiles_after_warmup"] == 0
+    parameters = probe["parameters"]
+    # Each of the 4 devices holds half of a parameter (the fsdp half of its data=2 replica), on the
+    # largest dimension 2 divides; gradients and AdamW moments are laid out like their parameter.
+    expected = {"bert.embeddings.word_embeddings.weight": [15261, 384],
+                "bert.embeddings.LayerNorm.weight": [192],
+                "bert.encoder.layer.0.intermediate.dense.weight": [768, 384],  # (1536, 384)
+                "classifier.weight": [5, 192],
+                "classifier.bias": [5]}
+    for name, shard in expected.items():
+        assert parameters[name]["shards"] == [shard] * 4, (name, parameters[name])
+    for name, layout in parameters.items():
+        assert len(layout["shards"]) == 4, name
+        assert layout["grad"] == layout["shards"], name
+        assert layout["moments"] == [layout["shards"]] * 2, name
+    # The batch: rows split over data x fsdp, a quarter per device.
+    assert probe["batch"]["input_ids"]["shape"][0] == 16
+    assert probe["batch"]["input_ids"]["shards"] == [[4, probe["batch"]["input_ids"]["shape"][1]]] * 4
+    assert probe["batch"]["labels"]["shards"] == [[4]] * 4
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return train_tiny.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.mark.slow
+def test_long_document_recipe_on_a_mesh_logs_the_single_device_losses(llama, tmp_path):
+    """sotu-lm (whole speeches packed into rows, position ids restarting per speech) with a tiny Llama
+    (GQA 4:2) at 128 tokens, two micro-batches of 4 rows per step, through the CLI."""
+    flags = ["--recipe", "sotu-lm", "--model", llama, "--max-length", "128", "--batch-size", "4", "--grad-accum", "2",
+             "--max-steps", "3", "--lr", "3e-3", "--log-steps", "1", "--eval-batches", "1", "--dropout", "0"]
+    spmd = run_spmd(["-m", "train", *flags, *MESH, "--output-dir", str(tmp_path / "mesh")])
+    assert spmd.returncode == 0, spmd.stderr[-3000:]
+    assert "mesh: data=2,fsdp=2 (4 devices, 1 host)" in spmd.stdout
+    assert main(flags + ["--output-dir", str(tmp_path / "one")]) == 0
+    single, sharded = losses(tmp_path / "one"), losses(tmp_path / "mesh")
+    assert len(single) == 3
+    difference = largest_relative_difference(sharded, single)
+    print(f"sotu-lm: largest relative loss difference per step {difference:.2e}")
+    assert sharded == pytest.approx(single, rel=REL)
+
+
+@pytest.mark.slow
+def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path):
+    result = run_spmd(["-m", "train", "--mesh", "data=3", "--batch-size", "3", "--output-dir", str(tmp_path / "x")])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "python -m train: error: --mesh: expected axis sizes whose product is the 4 devices, got 'data=3'")
+    assert not os.path.exists(tmp_path / "x")

@@ -1,0 +1,131 @@
+"""--mesh: one training run over every device of a TPU slice (or virtual XLA:CPU devices) with
+torch_xla SPMD (GSPMD).
+
+    spmd = Spmd({"data": 2, "fsdp": 2})        # before anything touches the XLA device
+    model = spmd.shard_model(model)             # on the device, parameters split over fsdp
+    for batch, inputs in spmd.device_batches(batches): ...   # inputs split over data x fsdp
+
+One process per host traces the whole step for the global batch; XLA's partitioner splits
+every tensor by its annotation and inserts the collectives (the gradient reduction among
+them), so no process rank or all-reduce of our own takes part. Parameters are sharded
+FSDPv2-style: each over the fsdp axis on its largest dimension that fsdp divides (replicated
+when none does), and their gradients and AdamW moments the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import torch
+
+from .config import BATCH_AXES, ConfigError
+
+PARAMETER_AXIS = "fsdp"
+
+
+def parameter_spec(shape: tuple[int, ...], fsdp: int) -> tuple[str | None, ...]:
+    """The partition spec of a parameter of ``shape`` over an fsdp axis of ``fsdp`` devices: fsdp on
+    its largest dimension that fsdp divides (the first of equals), replicated when none does."""
+    spec: list[str | None] = [None] * len(shape)
+    divisible = [dim for dim, length in enumerate(shape) if length % fsdp == 0]
+    if fsdp > 1 and divisible:
+        spec[max(divisible, key=lambda dim: shape[dim])] = PARAMETER_AXIS
+    return tuple(spec)
+
+
+class Spmd:
+    """The run's device mesh and how the trainer's tensors are laid out on it."""
+
+    def __init__(self, axes: dict[str, int]):
+        """``axes``: {axis: size} in config.MESH_AXES order (config.mesh_axes). Turns SPMD on:
+        call before anything touches the XLA device. Raises ConfigError (naming --mesh) when
+        the sizes do not multiply to the device count."""
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        xr.use_spmd()
+        devices = xr.global_runtime_device_count()
+        text = ",".join(f"{axis}={size}" for axis, size in axes.items())
+        if int(np.prod(list(axes.values()))) != devices:
+            raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} devices, got {text!r}")
+        self.axes = axes
+        # Devices in id order, laid out row-major: each host's devices are consecutive ids, so its
+        # part of the batch is a consecutive block of rows (data.host_rows).
+        self.mesh = xs.Mesh(np.arange(devices), tuple(axes.values()), tuple(axes))
+        self.device = torch_xla.device()
+        self.host, self.hosts = xr.process_index(), xr.process_count()
+        self.batch_axes = tuple(axis for axis in BATCH_AXES if axis in axes)
+        self.description = f"{text} ({devices} devices, {self.hosts} host{'s' * (self.hosts > 1)})"
+        self._local_devices = xr.addressable_runtime_device_count()
+
+    def check_batch_size(self, batch_size: int) -> None:
+        """torch_xla splits each host's rows over all of its devices (model-axis ones too)."""
+        rows = self._local_devices * self.hosts
+        if batch_size % rows:
+            raise ConfigError(f"--batch-size: expected a multiple of {rows} ({self.hosts} host(s) x "
+                              f"{self._local_devices} devices each) with --mesh {self.description}, got {batch_size}")
+
+    # ------------------------------------------------------------------
+    # Parameters, gradients, optimizer state
+
+    def shard_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``model`` moved to the device with every parameter sharded (``parameter_spec``)."""
+        model = model.to(self.device)
+        self.shard_like_parameters(model)
+        return model
+
+    def shard_like_parameters(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Annotates each parameter, its gradient and its optimizer state (AdamW's moments, once the
+        first step created them) with the parameter's sharding. Call inside a traced step, after the
+        tensors were updated: the annotation applies to the step's outputs."""
+        import torch_xla.distributed.spmd as xs
+
+        for parameter in model.parameters():
+            spec = parameter_spec(parameter.shape, self.axes.get(PARAMETER_AXIS, 1))
+            state = optimizer.state.get(parameter, {}) if optimizer is not None else {}
+            like = [parameter, parameter.grad] + [value for value in state.values()
+                                                  if isinstance(value, torch.Tensor) and value.shape == parameter.shape]
+            for tensor in like:
+                if tensor is not None:
+                    xs.mark_sharding(tensor, self.mesh, spec)
+
+    # ------------------------------------------------------------------
+    # Batches
+
+    def device_batches(self, batches: Iterable[dict[str, torch.Tensor]]
+                       ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+        """(CPU batch, device batch) pairs: every tensor split on its first dimension over the batch
+        axes. Each host passes its own rows (data.host_rows); torch_xla's parallel loader sends them
+        to the host's devices in a background thread and assembles the global batch."""
+        import torch_xla.distributed.parallel_loader as pl
+        import torch_xla.distributed.spmd as xs
+
+        batches = iter(batches)
+        first = next(batches, None)
+        if first is None:
+            return
+        sharding = {name: xs.ShardingSpec(self.mesh, (self.batch_axes or None,) + (None,) * (tensor.dim() - 1),
+                                          minibatch=True)
+                    for name, tensor in first.items()}
+        # The loader runs ahead of the loop; the CPU batches wait here in the same order.
+        on_host: collections.deque = collections.deque()
+
+        def remembered():
+            for batch in itertools.chain([first], batches):
+                on_host.append(batch)
+                yield batch
+
+        for inputs in pl.MpDeviceLoader(remembered(), self.device, input_sharding=sharding):
+            yield on_host.popleft(), inputs
+
+    # ------------------------------------------------------------------
+    # Attention
+
+    def attention(self) -> contextlib.AbstractContextManager:
+        """The context the run's attention calls are traced in."""
+        return contextlib.nullcontext()

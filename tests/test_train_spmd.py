@@ -159,6 +159,35 @@ def llama(tmp_path_factory):
     return train_tiny.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
 
 
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
+
+
+@pytest.fixture(scope="module")
+def docs_csv(tmp_path_factory):
+    return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(60))
+
+
+@pytest.mark.slow
+def test_a_model_axis_splits_the_batch_over_data_only(bert, docs_csv, tmp_path):
+    """data=2 x model=2: each batch row sits on the 2 devices of its data index; no fsdp axis, so
+    every device holds whole parameters. The losses are still the single-device ones."""
+    flags = ["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--max-steps", "3", "--log-steps", "1",
+             "--lr", "3e-3", "--eval-batches", "1", "--dropout", "0"]
+    spmd = run_spmd(["tests/spmd_train_probe.py", *flags, "--mesh", "data=2,model=2",
+                     "--output-dir", str(tmp_path / "mesh")])
+    assert spmd.returncode == 0, spmd.stderr[-3000:]
+    probe = json.loads(spmd.stdout.strip().splitlines()[-1])
+    assert main(flags + ["--output-dir", str(tmp_path / "one")]) == 0
+    assert probe["losses"] == pytest.approx(losses(tmp_path / "one"), rel=REL)
+    assert probe["summary"]["mesh"] == "data=2,model=2 (4 devices, 1 host)"
+    for name, layout in probe["parameters"].items():
+        assert layout["shards"] == [layout["shape"]] * 4, name
+    assert probe["batch"]["labels"]["shards"] == [[2]] * 4
+    assert [shard[0] for shard in probe["batch"]["input_ids"]["shards"]] == [2] * 4
+
+
 @pytest.mark.slow
 def test_long_document_recipe_on_a_mesh_logs_the_single_device_losses(llama, tmp_path):
     """sotu-lm (whole speeches packed into rows, position ids restarting per speech) with a tiny Llama

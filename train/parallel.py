@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from .config import BATCH_AXES, ConfigError
+from .config import BATCH_AXES, ConfigError, batch_devices
 
 PARAMETER_AXIS = "fsdp"
 
@@ -58,17 +58,13 @@ class Spmd:
         # part of the batch is a consecutive block of rows (data.host_rows).
         self.mesh = xs.Mesh(np.arange(devices), tuple(axes.values()), tuple(axes))
         self.device = torch_xla.device()
-        self.host, self.hosts = xr.process_index(), xr.process_count()
+        self.host, hosts = xr.process_index(), xr.process_count()
         self.batch_axes = tuple(axis for axis in BATCH_AXES if axis in axes)
-        self.description = f"{text} ({devices} devices, {self.hosts} host{'s' * (self.hosts > 1)})"
-        self._local_devices = xr.addressable_runtime_device_count()
-
-    def check_batch_size(self, batch_size: int) -> None:
-        """torch_xla splits each host's rows over all of its devices (model-axis ones too)."""
-        rows = self._local_devices * self.hosts
-        if batch_size % rows:
-            raise ConfigError(f"--batch-size: expected a multiple of {rows} ({self.hosts} host(s) x "
-                              f"{self._local_devices} devices each) with --mesh {self.description}, got {batch_size}")
+        # torch_xla puts the hosts' parts of a batch together (minibatch) only when the batch is split
+        # over every device; with a model axis each host reads the whole global batch.
+        self.minibatch = batch_devices(axes) == devices
+        self.part = (self.host, hosts) if self.minibatch else (0, 1)  # (this host's part, parts) of a batch
+        self.description = f"{text} ({devices} devices, {hosts} host{'s' * (hosts > 1)})"
 
     # ------------------------------------------------------------------
     # Parameters, gradients, optimizer state
@@ -100,8 +96,8 @@ class Spmd:
     def device_batches(self, batches: Iterable[dict[str, torch.Tensor]]
                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
         """(CPU batch, device batch) pairs: every tensor split on its first dimension over the batch
-        axes. Each host passes its own rows (data.host_rows); torch_xla's parallel loader sends them
-        to the host's devices in a background thread and assembles the global batch."""
+        axes. Each host passes its part of the rows (``part``, data.host_rows); torch_xla's parallel
+        loader sends them to the host's devices in a background thread and assembles the global batch."""
         import torch_xla.distributed.parallel_loader as pl
         import torch_xla.distributed.spmd as xs
 
@@ -109,9 +105,13 @@ class Spmd:
         first = next(batches, None)
         if first is None:
             return
-        sharding = {name: xs.ShardingSpec(self.mesh, (self.batch_axes or None,) + (None,) * (tensor.dim() - 1),
-                                          minibatch=True)
-                    for name, tensor in first.items()}
+        specs = {name: (self.batch_axes or None,) + (None,) * (tensor.dim() - 1) for name, tensor in first.items()}
+        # torch_xla 2.9 cannot send a 1-D tensor with a partly replicated sharding (IndexError in
+        # _xla_tensors_from_aten, pytorch/xla#8606): without minibatch (a model axis) such tensors
+        # (classification labels) go over whole and are annotated on the device.
+        on_device = {name for name, tensor in first.items() if tensor.dim() == 1 and not self.minibatch}
+        sharding = {name: None if name in on_device else xs.ShardingSpec(self.mesh, spec, minibatch=self.minibatch)
+                    for name, spec in specs.items()}
         # The loader runs ahead of the loop; the CPU batches wait here in the same order.
         on_host: collections.deque = collections.deque()
 
@@ -121,6 +121,8 @@ class Spmd:
                 yield batch
 
         for inputs in pl.MpDeviceLoader(remembered(), self.device, input_sharding=sharding):
+            for name in on_device:
+                xs.mark_sharding(inputs[name], self.mesh, specs[name])
             yield on_host.popleft(), inputs
 
     # ------------------------------------------------------------------

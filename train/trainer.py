@@ -125,7 +125,6 @@ class Trainer:
         else:
             # SPMD: one process per host drives all devices, GSPMD reduces the gradients (train/parallel.py).
             self.spmd = Spmd(mesh_axes(config.mesh))  # before anything touches the device
-            self.spmd.check_batch_size(config.batch_size)
             self.device = self.spmd.device
             self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
             self.is_main = self.spmd.host == 0
@@ -152,7 +151,7 @@ class Trainer:
         tokenized = tokenize(splits, self.tokenizer, config.max_length)
         # LM rows are packed to exactly max_length; classification batches take a bucket.
         buckets = data.length_buckets(config.max_length) if config.task == "classification" else (config.max_length,)
-        host, hosts = (self.spmd.host, self.spmd.hosts) if self.spmd else (0, 1)
+        host, hosts = self.spmd.part if self.spmd else (0, 1)
         loader = dict(batch_size=config.batch_size, buckets=buckets, pad_id=self.tokenizer.pad_token_id,
                       seed=config.seed, host=host, hosts=hosts)
         self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)

@@ -7,12 +7,13 @@ The ops run the blockwise implementation named by the backend that calls
 :func:`blockwise_attention` (``IMPLEMENTATIONS``: ``pallas``, ``interpret`` or
 ``xla``), a pair of functions
 
-    forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
+    forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
         -> (out, lse)                    lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
-    backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed,
+    backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key,
              options, bias_grad) -> (dq, dk, dv, dbias or None)
 
-with ``options`` a :class:`torchattn.request.Options` (block sizes included). The ops
+with ``options`` a :class:`torchattn.request.Options` (block sizes included) and
+``dropout_key`` int64 (3,) or None (torchattn.dropout.keys). The ops
 take the options as typed schema arguments: ``Options`` converts to and from them.
 
 ``dlse`` is the gradient reaching lse (zeros when lse is unused); it enters the
@@ -30,7 +31,7 @@ import functools
 
 import torch
 
-from . import internals, torch_blockwise
+from . import internals, spmd, torch_blockwise
 from .kernels import torch_side
 from .request import Options, Request, accumulation_dtype
 
@@ -52,33 +53,33 @@ _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, 
 @torch.library.custom_op(
     "torchattn::attention_forward", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? kv_segment_ids, Tensor? bias, "
-           f"Tensor? seed, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
-def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
-    return internals.functionalized(IMPLEMENTATIONS[impl][0], q, k, v, segment_ids, kv_segment_ids, bias, seed,
+           f"Tensor? dropout_key, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
+def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
+    return internals.functionalized(IMPLEMENTATIONS[impl][0], q, k, v, segment_ids, kv_segment_ids, bias, dropout_key,
                                     Options.from_op_arguments(options))
 
 
 @attention_forward.register_fake
-def _(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
+def _(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op(
     "torchattn::attention_backward", mutates_args=(),
     schema="(Tensor do, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? segment_ids, "
-           "Tensor? kv_segment_ids, Tensor? bias, Tensor? seed, str impl, bool bias_grad, "
+           "Tensor? kv_segment_ids, Tensor? bias, Tensor? dropout_key, str impl, bool bias_grad, "
            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
-def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl, bias_grad,
+def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, impl, bias_grad,
                        *options):
     dq, dk, dv, dbias = internals.functionalized(IMPLEMENTATIONS[impl][1], do, dlse, q, k, v, out, lse, segment_ids,
-                                                 kv_segment_ids, bias, seed, Options.from_op_arguments(options),
+                                                 kv_segment_ids, bias, dropout_key, Options.from_op_arguments(options),
                                                  bias_grad)
     # custom ops cannot return None: an empty tensor stands for "no bias gradient".
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 
 
 @attention_backward.register_fake
-def _(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, impl, bias_grad, *options):
+def _(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, impl, bias_grad, *options):
     dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
 
@@ -112,18 +113,18 @@ class FlashAttentionFunction(torch.autograd.Function):
     """``options``: :meth:`Options.op_arguments`, passed through to the custom ops."""
 
     @staticmethod
-    def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
-        return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options)
+    def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
+        return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options = inputs
+        q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options = inputs
         out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed)
+        ctx.save_for_backward(q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key)
         ctx.impl, ctx.options = impl, options
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, seed, impl, *options):
+    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
         raise NotImplementedError(
             f"torch.vmap over torchattn.flash_attention is not supported on the {impl!r} backend: "
             "its kernels take exactly one batch dimension. Fold the mapped dimension into the batch "
@@ -131,19 +132,28 @@ class FlashAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed = ctx.saved_tensors
+        q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key = ctx.saved_tensors
         bias_grad = bias is not None and ctx.needs_input_grad[5]
         # Grad is enabled here only under create_graph=True or torch.func: then the result must be
         # able to refuse a further backward.
         backward_op = _BackwardFunction.apply if torch.is_grad_enabled() else attention_backward
         dq, dk, dv, dbias = backward_op(dout, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids,
-                                        bias, seed, ctx.impl, bias_grad, *ctx.options)
+                                        bias, dropout_key, ctx.impl, bias_grad, *ctx.options)
         return (dq, dk, dv, None, None, dbias if bias_grad else None, None, None) + (None,) * len(ctx.options)
+
+
+# Under SPMD the kernels run on each device's shard (torchattn/spmd.py): GSPMD cannot partition a custom
+# call or call_jax's program. The xla implementation is torch ops GSPMD partitions itself (and XLA's
+# partitioner rejects its loop inside a manual-sharding region: "Check failed: !IsManual()").
+PER_DEVICE = ("pallas", "interpret")
 
 
 def blockwise_attention(request: Request, impl: str):
     """Runs ``request`` on a blockwise implementation; returns (out, lse or None)."""
-    out, lse = FlashAttentionFunction.apply(request.q, request.k, request.v, request.segment_ids,
-                                            request.kv_segment_ids, request.bias, request.seed, impl,
-                                            *request.options.op_arguments())
+    options = request.options.op_arguments()
+
+    def attention(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key):
+        return FlashAttentionFunction.apply(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options)
+
+    out, lse = spmd.run(request, attention, per_device=impl in PER_DEVICE)
     return out, (lse if request.return_lse else None)

@@ -75,3 +75,19 @@ def dropout_mask(seed, batch: int, q_heads: int, q_len: int, kv_len: int, p: flo
     cols = torch.arange(kv_len, **idx).view(1, 1, 1, kv_len)
     bits = element_bits(row_keys(seed_bits, batch_head, rows), column_keys(cols))
     return bits >= keep_threshold(p)
+
+
+def keys(seed: torch.Tensor, batch: int, q_heads: int, batch_shards: int = 1, head_shards: int = 1) -> torch.Tensor:
+    """The dropout keys the blockwise kernels take: int64 (batch_shards, head_shards, 3).
+
+    A (batch, q_heads, ...) tensor cut evenly into batch_shards x head_shards shards
+    (SPMD: see torchattn.spmd) gives shard (i, j) the key (seed bits, batch_head of
+    the shard's first (batch, head), q_heads). A kernel running on the shard hashes
+    batch_head = first + local_batch * q_heads + local_head: the global position, so
+    a sharded run drops exactly what one device drops. Unsharded: ``keys(...)[0, 0]``.
+    ``seed``: int64 (1,) holding the 32 seed bits.
+    """
+    idx = dict(dtype=torch.int64, device=seed.device)
+    first = (torch.arange(batch_shards, **idx).view(-1, 1) * (batch // batch_shards * q_heads)
+             + torch.arange(head_shards, **idx) * (q_heads // head_shards))
+    return torch.stack([seed.view(()).expand_as(first), first, torch.full_like(first, q_heads)], dim=-1)

@@ -95,9 +95,10 @@ def _walk(operation):
 # StableHLO text, which only the client's own compile method takes.
 
 
-def compile_stablehlo(text: str, device):
-    """Compiles StableHLO ``text`` (one device, no partitioning) for TPU ``device``
-    of a compile-only topology; returns the loaded executable."""
+def compile_stablehlo(text: str, devices: tuple):
+    """Compiles StableHLO ``text`` for TPU ``devices`` of a compile-only topology; returns the
+    loaded executable. Several devices: the SPMD partitioner splits the program by its shardings,
+    and outputs without one take what propagation gives them (as torch_xla's own compile does)."""
     from jax._src import compiler
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client
@@ -106,8 +107,11 @@ def compile_stablehlo(text: str, device):
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
         bytecode = mlir.module_to_bytecode(module)
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
-    return device.client.compile(bytecode, xla_client.DeviceList((device,)), options)
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
+                                           use_spmd_partitioning=len(devices) > 1)
+    if len(devices) > 1:
+        options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
+    return devices[0].client.compile(bytecode, xla_client.DeviceList(tuple(devices)), options)
 
 
 # ---------------------------------------------------------------------------

@@ -25,12 +25,12 @@ from .request import accumulation_dtype
 _NEG_INF = float("-inf")
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
+def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
     import torch_xla.debug.profiler as xp
 
     with xp.Trace("torchattn.xla.forward"):
         lay = _Layout(q, k, options.block_sizes.block_kv)
-        fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
+        fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
         rows_shape = (lay.B, lay.Hkv, lay.R, 1)
         m = torch.full(rows_shape, _NEG_INF, dtype=lay.compute, device=q.device)  # running max
         denom = torch.zeros(rows_shape, dtype=lay.compute, device=q.device)  # running denominator
@@ -61,12 +61,12 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
         return out, lse.view(lay.B, lay.Hq, lay.Sq).to(lay.compute)
 
 
-def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options, bias_grad):
+def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, options, bias_grad):
     import torch_xla.debug.profiler as xp
 
     with xp.Trace("torchattn.xla.backward"):
         lay = _Layout(q, k, options.block_sizes.block_kv_bwd)
-        fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options)
+        fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
         do = lay.rows(do)
         # delta = rowsum(dO * O) - dlse: the softmax backward's row term, plus lse's own gradient.
         delta = (do * lay.rows(out)).sum(-1, keepdim=True) - lay.rows(dlse.unsqueeze(-1))
@@ -128,7 +128,7 @@ class _Layout:
         return t.view(self.B, self.Hkv, self.G, self.Sq, t.shape[-1])
 
 
-def _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
+def _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
     """Loop invariants (``fixed``) and per-block inputs (``blocks``, leading dim n)."""
     dev = q.device
     idx = dict(dtype=torch.int64, device=dev)
@@ -152,10 +152,12 @@ def _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, seed, options):
         blocks["bias"] = (_split_kv(bias, 4, lay) if bias.shape[-1] > 1  # (n, Bb, ., ., Sqb, bk)
                           else bias.unsqueeze(0).expand(lay.n, *bias.shape))  # (n, Bb, ., ., Sqb, 1)
     if options.dropout_p > 0.0:
-        # batch_head = b * Hq + h, with query head h = kv_head * G + r // Sq.
-        batch_head = torch.arange(lay.B * lay.Hq, **idx).view(lay.B, lay.Hkv, lay.G, 1)
-        batch_head = batch_head.expand(-1, -1, -1, lay.Sq).reshape(lay.B, lay.Hkv, lay.R, 1)
-        fixed["row_keys"] = row_keys(seed.view(()), batch_head, fixed["rows"])  # (B, Hkv, R, 1)
+        # batch_head = first + b * heads + h (torchattn.dropout.keys), query head h = kv_head * G + r // Sq.
+        seed, first, heads = dropout_key
+        batch_head = torch.arange(lay.B, **idx).view(lay.B, 1) * heads + torch.arange(lay.Hq, **idx) + first
+        batch_head = batch_head.view(lay.B, lay.Hkv, lay.G, 1).expand(-1, -1, -1, lay.Sq)
+        batch_head = batch_head.reshape(lay.B, lay.Hkv, lay.R, 1)
+        fixed["row_keys"] = row_keys(seed, batch_head, fixed["rows"])  # (B, Hkv, R, 1)
     return fixed, blocks
 
 

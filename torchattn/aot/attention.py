@@ -69,7 +69,7 @@ def argument_structs(spec):
     shapes = arguments.shapes(spec)
 
     def structs(backward: bool) -> list:
-        return [jax.ShapeDtypeStruct(*shapes[name]) for name in ("seed", *arguments.names(spec, backward))]
+        return [jax.ShapeDtypeStruct(*shapes[name]) for name in ("dropout_key", *arguments.names(spec, backward))]
 
     return structs(backward=False), structs(backward=True)
 

@@ -37,9 +37,14 @@ class Compiled:
     executable: object = dataclasses.field(repr=False, compare=False)
 
 
-@functools.lru_cache(maxsize=None)
 def device(generation: str):
     """Device 0 of a compile-only slice of ``generation``."""
+    return slice_devices(generation)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def slice_devices(generation: str) -> tuple:
+    """The devices of a compile-only slice of ``generation`` (4 chips: generations.Generation.topology)."""
     from jax.experimental import topologies
 
     # libtpu refuses a second process on the machine without this (a TPU VM's guard
@@ -50,7 +55,7 @@ def device(generation: str):
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
     topology = topologies.get_topology_desc(platform="tpu", topology_name=generations.get(generation).topology)
-    return topology.devices[0]
+    return tuple(topology.devices)
 
 
 def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
@@ -72,10 +77,15 @@ def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
                      executable.cost_analysis(), executable.memory_analysis())
 
 
-def compile_stablehlo(text: str, generation: str, name: str) -> Compiled:
-    """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``."""
+def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1) -> Compiled:
+    """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``; with
+    ``partitions`` > 1, an SPMD program (torch_xla under SPMD) for that many chips."""
+    chips = slice_devices(generation)
+    if not 1 <= partitions <= len(chips):
+        raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of a {generation} compile-only "
+                         f"slice), got {partitions}")
     start = time.perf_counter()
-    executable = internals.compile_stablehlo(text, device(generation))
+    executable = internals.compile_stablehlo(text, chips[:partitions])
     seconds = time.perf_counter() - start
     costs = executable.cost_analysis()
     return _describe(name, generation, seconds, executable, costs[0] if isinstance(costs, list) else costs,

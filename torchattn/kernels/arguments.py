@@ -1,6 +1,6 @@
 """The kernels' argument contract: which arrays each kernel takes, in which order and padded layout.
 
-Every kernel takes the seed, int32 (1,) (prefetched into SMEM), then the arrays
+Every kernel takes the dropout key, int32 (3,) (prefetched into SMEM; see torchattn.dropout.keys), then the arrays
 :func:`names` lists, with the shapes :func:`shapes` gives. Read by
 kernels/torch_side.py (builds them from torch tensors), the kernel bodies
 (:func:`unpack` their refs) and ``torchattn.aot.argument_structs`` (compiles from shapes).
@@ -22,7 +22,7 @@ ARRAYS = ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids", "bias")
 
 
 def names(spec, backward: bool) -> list[str]:
-    """The arrays after the seed, in order: q, k, v, [do, lse, delta] (backward kernels),
+    """The arrays after the dropout key, in order: q, k, v, [do, lse, delta] (backward kernels),
     [q_ids, kv_ids] (segment ids), [bias]."""
     taken = ["q", "k", "v"]
     if backward:
@@ -35,12 +35,12 @@ def names(spec, backward: bool) -> list[str]:
 
 
 def shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
-    """(shape, dtype name) of the seed and of every array in :data:`ARRAYS`, for ``spec``.
+    """(shape, dtype name) of the dropout key and of every array in :data:`ARRAYS`, for ``spec``.
 
     The bias is float32 here; a call passes it in q's dtype or float32 (see torchattn.api)."""
     b, hq, hkv, qp, kp, d = spec.batch, spec.q_heads, spec.kv_heads, spec.q_pad, spec.kv_pad, spec.head_dim
     return {
-        "seed": ((1,), "int32"),
+        "dropout_key": ((3,), "int32"),
         "q": ((b, hq, qp, d), spec.dtype), "k": ((b, hkv, kp, d), spec.dtype), "v": ((b, hkv, kp, d), spec.dtype),
         "do": ((b, hq, qp, d), spec.dtype),
         "lse": ((b, hq, qp, LANES), "float32"), "delta": ((b, hq, qp, LANES), "float32"),
@@ -74,7 +74,7 @@ def block_bytes(spec) -> dict[str, int]:
 
 
 def unpack(spec, refs, backward: bool):
-    """A kernel's refs after the seed: ({array name: input ref, None where absent}, the remaining refs
+    """A kernel's refs after the dropout key: ({array name: input ref, None where absent}, the remaining refs
     (outputs, then scratch))."""
     taken = names(spec, backward)
     inputs = dict(zip(taken, refs))

@@ -34,7 +34,7 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _tile_gradients(spec, seed, batch, head, q_block, kv_block, inputs, q, k, do):
+def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do):
     """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
 
     ``inputs``: the kernel's input refs by name (kernels/arguments.py); q, k, do: their blocks,
@@ -49,7 +49,7 @@ def _tile_gradients(spec, seed, batch, head, q_block, kv_block, inputs, q, k, do
     p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is finite where keep
     dp = _dot(do, inputs["v"][...], _NT)
     if spec.dropout_p > 0.0:
-        scale = dropout_scale(spec, seed, batch, head, q_block, kv_block, s.shape)
+        scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
         p_used, dp = p * scale, dp * scale
     else:
         p_used = p
@@ -58,7 +58,7 @@ def _tile_gradients(spec, seed, batch, head, q_block, kv_block, inputs, q, k, do
     return p_used, ds, dlogits
 
 
-def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
+def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     inputs, (dq_ref, *refs) = arguments.unpack(spec, refs, backward=True)
     ds_ref = refs.pop(0) if with_ds else None
     (dq_acc,) = refs
@@ -72,7 +72,7 @@ def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
     @pl.when(visible)
     def _step():
         k = inputs["k"][...]
-        _, ds, dlogits = _tile_gradients(spec, seed_ref[0], batch, head, q_block, kv_block, inputs,
+        _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                          inputs["q"][...], k, inputs["do"][...])
         dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.scale
         if with_ds:
@@ -88,7 +88,7 @@ def dq_kernel(seed_ref, *refs, spec: KernelSpec, with_ds: bool):
         dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
 
 
-def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
+def dkv_kernel(key_ref, *refs, spec: KernelSpec):
     inputs, (dk_ref, dv_ref, dk_acc, dv_acc) = arguments.unpack(spec, refs, backward=True)
     batch, kv_head, kv_block, step = (pl.program_id(i) for i in range(4))
     head = kv_head * spec.groups + step // spec.num_q_blocks
@@ -102,7 +102,7 @@ def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
     @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
         q, do = inputs["q"][...], inputs["do"][...]
-        p, _, dlogits = _tile_gradients(spec, seed_ref[0], batch, head, q_block, kv_block, inputs,
+        p, _, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                         q, inputs["k"][...], do)
         dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
         dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.scale
@@ -115,7 +115,7 @@ def dkv_kernel(seed_ref, *refs, spec: KernelSpec):
 
 @functools.lru_cache(maxsize=None)
 def dq_call(spec: KernelSpec, with_ds: bool):
-    """jax function (seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dq, [ds]).
+    """jax function (dropout_key, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dq, [ds]).
 
     lse, delta: float32 (batch, q_heads, q_pad, 128); ds: float32 (batch, q_heads,
     q_pad, kv_pad). Other shapes as in :func:`forward_call`. Memoised per spec.
@@ -126,7 +126,7 @@ def dq_call(spec: KernelSpec, with_ds: bool):
     out_specs = [blocks["q"]]  # dq is laid out like q
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype))]
     if with_ds:
-        out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, seed: (b, h, i, j)))
+        out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, key_ref: (b, h, i, j)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
     return pallas_function(
         functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
@@ -138,7 +138,7 @@ def dq_call(spec: KernelSpec, with_ds: bool):
 
 @functools.lru_cache(maxsize=None)
 def dkv_call(spec: KernelSpec):
-    """jax function (seed, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dk, dv).
+    """jax function (dropout_key, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dk, dv).
 
     dk, dv: like k and v. Memoised per spec.
     """

@@ -109,13 +109,14 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
 
-def dropout_scale(spec: KernelSpec, seed, batch, head, q_block, kv_block, shape):
-    """Keep mask divided by (1 - p) for one tile, from the hash in torchattn.dropout."""
+def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape):
+    """Keep mask divided by (1 - p) for one tile, from the hash in torchattn.dropout; ``key_ref``
+    holds the dropout key (seed, first batch-head, heads): see torchattn.dropout.keys."""
     bq, bkv = shape
     # Scalars become (block_q, 1) vectors before any uint32 work: Mosaic bitcasts vectors only.
     column = jnp.zeros((bq, 1), jnp.int32)
-    seeds = jax.lax.bitcast_convert_type(column + seed, jnp.uint32)
-    batch_head = (column + (batch * spec.q_heads + head)).astype(jnp.uint32)
+    seeds = jax.lax.bitcast_convert_type(column + key_ref[0], jnp.uint32)
+    batch_head = (column + (key_ref[1] + batch * key_ref[2] + head)).astype(jnp.uint32)
     rows = (q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)).astype(jnp.uint32)
     cols = (kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)).astype(jnp.uint32)
     bits = dropout.element_bits(dropout.row_keys(seeds, batch_head, rows), dropout.column_keys(cols))
@@ -156,7 +157,7 @@ def block_specs(spec: KernelSpec, coords) -> dict[str, pl.BlockSpec]:
     pick.update(v=pick["k"], do=pick["q"], lse=pick["q"], delta=pick["q"])
 
     def block_spec(shape, choose):
-        return pl.BlockSpec(shape, lambda *grid: choose(*coords(*grid[:-1])))  # the last index is the seed ref
+        return pl.BlockSpec(shape, lambda *grid: choose(*coords(*grid[:-1])))  # the last index is the dropout key's ref
 
     shapes = arguments.block_shapes(spec)
     return {name: block_spec(shapes[name], pick[name]) for name in arguments.ARRAYS if shapes[name] is not None}
@@ -164,9 +165,9 @@ def block_specs(spec: KernelSpec, coords) -> dict[str, pl.BlockSpec]:
 
 def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,
                     cost_estimate: pl.CostEstimate):
-    """The jax function ``(seed, *arrays) -> tuple of outputs`` around one pallas_call.
+    """The jax function ``(dropout_key, *arrays) -> tuple of outputs`` around one pallas_call.
 
-    The seed (int32 (1,)) is prefetched into SMEM; the last grid axis is the
+    The dropout key (int32 (3,)) is prefetched into SMEM; the last grid axis is the
     sequential (accumulating) one. ``cost_estimate`` (see :mod:`.cost`) is what
     XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
     """
@@ -183,7 +184,7 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
         cost_estimate=cost_estimate,
     )
 
-    def run(seed, *arrays):
-        return tuple(call(seed, *arrays))
+    def run(dropout_key, *arrays):
+        return tuple(call(dropout_key, *arrays))
 
     return run

@@ -21,7 +21,7 @@ from .common import KernelSpec, block_scores, block_specs, dropout_scale, load, 
 from .cost import forward_cost
 
 
-def forward_kernel(seed_ref, *refs, spec: KernelSpec):
+def forward_kernel(key_ref, *refs, spec: KernelSpec):
     inputs, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = arguments.unpack(spec, refs, backward=False)
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
 
@@ -42,7 +42,7 @@ def forward_kernel(seed_ref, *refs, spec: KernelSpec):
         alpha = jnp.exp(m_prev - m_safe)
         l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         if spec.dropout_p > 0.0:
-            p = p * dropout_scale(spec, seed_ref[0], batch, head, q_block, kv_block, s.shape)
+            p = p * dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
         v = inputs["v"][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
@@ -61,9 +61,9 @@ def forward_kernel(seed_ref, *refs, spec: KernelSpec):
 
 @functools.lru_cache(maxsize=None)
 def forward_call(spec: KernelSpec):
-    """The jax function (seed, q, k, v, [q_ids, kv_ids], [bias]) -> (out, lse).
+    """The jax function (dropout_key, q, k, v, [q_ids, kv_ids], [bias]) -> (out, lse).
 
-    Shapes: seed int32 (1,); q (batch, q_heads, q_pad, head_dim); k, v (batch,
+    Shapes: dropout_key int32 (3,); q (batch, q_heads, q_pad, head_dim); k, v (batch,
     kv_heads, kv_pad, head_dim); q_ids int32 (batch, q_pad, 128); kv_ids int32
     (batch, 8, kv_pad); bias ``spec.bias_shape``. Returns out like q and lse
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,

@@ -76,16 +76,17 @@ def _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias) -> dict[str, torch
     return arrays
 
 
-def _kernel_arguments(spec, seed, arrays: dict[str, torch.Tensor], backward: bool) -> list[torch.Tensor]:
-    """The seed and ``arrays`` in the kernels' argument order (kernels/arguments.py)."""
-    return [seed, *(arrays[name] for name in arguments.names(spec, backward))]
+def _kernel_arguments(spec, dropout_key, arrays: dict[str, torch.Tensor], backward: bool) -> list[torch.Tensor]:
+    """The dropout key and ``arrays`` in the kernels' argument order (kernels/arguments.py)."""
+    return [dropout_key, *(arrays[name] for name in arguments.names(spec, backward))]
 
 
-def _seed(seed: torch.Tensor | None, device) -> torch.Tensor:
-    """The 32 seed bits as int32 (1,): JAX runs without 64-bit types."""
-    if seed is None:
-        return torch.zeros(1, dtype=torch.int32, device=device)
-    return torch.where(seed >= 2**31, seed - 2**32, seed).to(torch.int32)
+def _kernel_key(dropout_key: torch.Tensor | None, device) -> torch.Tensor:
+    """The dropout key (int64 (3,), torchattn.dropout.keys) as int32 (3,): JAX runs without 64-bit
+    types; the seed's 32 bits keep their pattern, the other two entries are small."""
+    if dropout_key is None:
+        return torch.zeros(3, dtype=torch.int32, device=device)
+    return torch.where(dropout_key >= 2**31, dropout_key - 2**32, dropout_key).to(torch.int32)
 
 
 def _per_row(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -93,7 +94,7 @@ def _per_row(t: torch.Tensor, length: int) -> torch.Tensor:
     return _pad_rows(t, length)[..., None].expand(-1, -1, -1, LANES)
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, *, interpret: bool):
+def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options: Options, *, interpret: bool):
     from .forward import forward_call
 
     blocks = options.block_sizes
@@ -102,13 +103,13 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, seed, options: Options, 
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
-    kernel_args = _kernel_arguments(spec, _seed(seed, q.device), arrays, backward=False)
+    kernel_args = _kernel_arguments(spec, _kernel_key(dropout_key, q.device), arrays, backward=False)
     out, lse = bridge.call(forward_call(spec), kernel_args, out_shapes,
                            name="torchattn.forward", interpret=interpret)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
 
-def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, seed, options: Options,
+def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, options: Options,
              bias_grad: bool, *, interpret: bool):
     from .backward import dkv_call, dq_call
 
@@ -120,7 +121,7 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, see
     lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel
     arrays.update(do=_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad), lse=_per_row(lse, spec.q_pad),
                   delta=_per_row(delta, spec.q_pad))
-    kernel_args = _kernel_arguments(spec, _seed(seed, q.device), arrays, backward=True)
+    kernel_args = _kernel_arguments(spec, _kernel_key(dropout_key, q.device), arrays, backward=True)
     dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]
     if bias_grad:
         dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))

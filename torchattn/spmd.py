@@ -1,0 +1,280 @@
+"""torchattn under torch_xla SPMD (GSPMD): every device runs the blockwise kernels on its own shard.
+
+GSPMD cannot see inside a kernel (a Mosaic custom call, or the program ``call_jax``
+embeds): left to itself it hands the call the global tensors, gathering q, k and v
+onto every device. So the ``pallas`` and ``interpret`` backends run in a
+manual-sharding region (torch_xla's shard_map machinery): q, k, v, segment ids and
+bias are cut along batch (e.g. data / fsdp mesh axes) and heads (e.g. a model axis;
+q heads and kv heads alike, so GQA groups stay on one device), the kernels see
+per-device shapes, and out, lse and the gradients are put back together as global
+tensors. Dropout stays exact: each shard's dropout key carries its global position
+(torchattn.dropout.keys). The ``xla`` backend is torch ops that GSPMD partitions
+itself: a batch sharding stays per device; heads sharded over an axis are gathered
+inside its loop (warned once; XLA's partitioner rejects that loop in a manual region).
+
+Where the sharding comes from, first match wins:
+
+1. q's own sharding (``mark_sharding`` on q);
+2. the innermost :func:`sharded` context. Inside a model q is an intermediate
+   tensor: GSPMD decides its layout only when it compiles, so torchattn cannot read
+   it; the context states it once for a whole run.
+
+Neither: the call runs on the global tensors (correct, but XLA gathers them onto
+every device), with a one-time warning. Sequence and head_dim stay whole on each
+device: an input sharded along them is a ValueError naming the dimension and axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+
+from . import dropout, once
+from .request import Request
+
+# The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
+# them when it matches no mesh torchattn knows.
+_DIM_NAMES = ("batch", "heads", "seq_len", "head_dim")
+_TILED = re.compile(r"^\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}$")
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How attention's inputs are cut: ``batch`` and ``heads`` are tuples of axis names of
+    ``mesh`` (a ``torch_xla.distributed.spmd.Mesh``); each may be empty."""
+    mesh: object
+    batch: tuple[str, ...]
+    heads: tuple[str, ...]
+
+    def ways(self, axes: tuple[str, ...]) -> int:
+        return _ways(self.mesh, axes)
+
+    def spec(self, *dims: tuple[str, ...] | None) -> tuple:
+        """A partition spec: each dim's axes (a name, a tuple of names, or None)."""
+        return tuple(None if not axes else axes[0] if len(axes) == 1 else axes for axes in dims)
+
+
+def _ways(mesh, axes: tuple[str, ...]) -> int:
+    """How many shards the mesh axes ``axes`` cut a dimension into."""
+    return math.prod(mesh.mesh_shape[mesh.get_axis_name_idx(axis)] for axis in axes)
+
+
+_contexts: list[Sharding] = []
+
+
+@contextlib.contextmanager
+def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, ...] = ()):
+    """Inside this context, torchattn calls whose q carries no sharding of its own run
+    sharded over ``mesh``: batch over the axes ``batch``, heads over the axes ``heads``.
+
+        mesh = xs.Mesh(np.arange(8), (2, 2, 2), ("data", "fsdp", "model"))
+        with torchattn.sharded(mesh, batch=("data", "fsdp"), heads="model"):
+            train()
+    """
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.runtime as xr
+
+    if not isinstance(mesh, xs.Mesh):
+        raise TypeError(f"mesh: expected a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
+    if not xr.is_spmd():
+        raise ValueError("mesh: torchattn.sharded needs SPMD; call torch_xla.runtime.use_spmd() "
+                         "before any XLA tensor is created")
+    axes = {name: _axis_names(name, value) for name, value in (("batch", batch), ("heads", heads))}
+    for name, names in axes.items():
+        for axis in names:
+            if axis not in mesh.axis_names:
+                raise ValueError(f"{name}: expected axis names of the mesh {tuple(mesh.axis_names)}, got {axis!r}")
+    both = set(axes["batch"]) & set(axes["heads"])
+    if both or len(set(axes["batch"])) < len(axes["batch"]):
+        raise ValueError(f"batch, heads: each mesh axis may shard one dimension once, got batch={axes['batch']}, "
+                         f"heads={axes['heads']}")
+    _contexts.append(Sharding(mesh, axes["batch"], axes["heads"]))
+    try:
+        yield _contexts[-1]
+    finally:
+        _contexts.pop()
+
+
+def _axis_names(name: str, value) -> tuple[str, ...]:
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, tuple) or not all(isinstance(axis, str) for axis in names):
+        raise TypeError(f"{name}: expected a mesh axis name or a tuple of them, got {value!r}")
+    return names
+
+
+def xla_spmd(request: Request) -> bool:
+    """Whether ``request`` runs on an XLA device with SPMD on."""
+    if request.device.type != "xla":
+        return False
+    import torch_xla.runtime as xr
+
+    return xr.is_spmd()
+
+
+def resolve(request: Request) -> Sharding | str | None:
+    """How ``request``'s inputs are sharded: a Sharding; "whole" (q is replicated, or already
+    per device); None (not SPMD, or nothing says). ValueError for a sharding torchattn cannot
+    run per device (sequence or head_dim sharded, sizes not divisible)."""
+    if not xla_spmd(request):
+        return None
+    own = _from_input(request.q)
+    if own is None and _contexts:
+        own = _contexts[-1]
+    if isinstance(own, Sharding):
+        _check(own, request)
+    return own
+
+
+def _from_input(q: torch.Tensor):
+    """q's own sharding as a Sharding, "whole" (replicated, or already manual), or None (none)."""
+    import torch_xla.distributed.spmd as xs
+
+    wrapped = xs.wrap_if_sharded(q)
+    if not isinstance(wrapped, xs.XLAShardedTensor):
+        return None
+    text = wrapped.sharding_spec
+    if text in ("", "{replicated}", "{manual}"):
+        return "whole" if text else None
+    match = _TILED.match(text)
+    if match is None:
+        raise ValueError(f"q: sharding {text} is not a tiling torchattn can run per device; mark q "
+                         "with a partition spec over a Mesh (batch and heads dims only)")
+    tiles = tuple(int(n) for n in match.group(1).split(","))
+    devices = tuple(int(n) for n in match.group(2).split(","))
+    if match.group(3) is None:
+        tiles += (1,)
+    known = _contexts[-1].mesh if _contexts else xs.get_global_mesh()
+    spec = _matching_spec(known, tiles, devices) if known is not None else None
+    if spec is None:  # a mesh of q's own tiling, one axis per dim, named after the dims
+        known = xs.Mesh(list(devices), tiles, (*_DIM_NAMES, "replicas"))
+        spec = tuple((name,) if n > 1 else () for name, n in zip(_DIM_NAMES, tiles))
+    for dim in (2, 3):
+        if spec[dim]:
+            raise ValueError(f"q: dimension {dim} ({_DIM_NAMES[dim]}) is sharded over mesh axes {spec[dim]}; "
+                             "torchattn shards attention over batch (dim 0) and heads (dim 1) only: keep "
+                             f"{_DIM_NAMES[dim]} whole on each device (None in its partition spec)")
+    return Sharding(known, spec[0], spec[1])
+
+
+def _tiling(mesh, spec: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(tiles per dim + replicas, devices in tile order) of ``spec`` over ``mesh``: how XLA lays
+    out a sharding (HloSharding's tile assignment)."""
+    import numpy as np
+
+    names = list(mesh.axis_names)
+    used = [names.index(axis) for axes in spec for axis in axes]
+    rest = [i for i in range(len(names)) if i not in used]
+    tiles = tuple(math.prod(mesh.mesh_shape[names.index(a)] for a in axes) for axes in spec)
+    replicas = math.prod(mesh.mesh_shape[i] for i in rest)
+    order = np.asarray(mesh.device_ids).reshape(mesh.mesh_shape).transpose(used + rest).reshape(-1)
+    return tiles + (replicas,), tuple(int(d) for d in order)
+
+
+def _matching_spec(mesh, tiles, devices):
+    """The spec over ``mesh`` (axes of each of the 4 dims) whose tiling is (tiles, devices), or None."""
+    names = list(mesh.axis_names)
+    for dims in itertools.product(range(5), repeat=len(names)):  # each axis to a dim, or 4: unused
+        spec = tuple(tuple(n for n, d in zip(names, dims) if d == dim) for dim in range(4))
+        if _tiling(mesh, spec) == (tiles, devices):
+            return spec
+    return None
+
+
+def _check(sharding: Sharding, request: Request) -> None:
+    q, k = request.q, request.k
+    for what, size, axes in (("batch (dim 0 of q, k, v)", q.shape[0], sharding.batch),
+                             ("q_heads (dim 1 of q)", q.shape[1], sharding.heads),
+                             ("kv_heads (dim 1 of k, v)", k.shape[1], sharding.heads)):
+        ways = sharding.ways(axes)
+        if size % ways:
+            raise ValueError(f"{what}: {size} is not divisible by mesh axes {axes} ({ways} devices); "
+                             "expected a multiple of their size")
+
+
+def run(request: Request, attention, *, per_device: bool):
+    """Runs ``attention(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key) -> (out, lse)``
+    on each device's shard of ``request`` when ``per_device`` and it is sharded, else once on
+    the global tensors; returns global (out, lse)."""
+    q, k, v, bias, seed = request.q, request.k, request.v, request.bias, request.seed
+    batch, q_heads = q.shape[:2]
+    sharding = resolve(request)
+    if sharding is None and per_device and xla_spmd(request):
+        once.warn(("spmd", "unsharded"),
+                  "torchattn: SPMD is on but q carries no sharding and no torchattn.sharded(...) context is "
+                  "active: the kernels run on the global tensors on every device (XLA gathers q, k and v). "
+                  "Mark q's sharding or wrap the run in torchattn.sharded(mesh, batch=..., heads=...).",
+                  stacklevel=5)
+    if not per_device and isinstance(sharding, Sharding) and sharding.heads:
+        once.warn(("spmd", "xla heads"),
+                  f"torchattn: the 'xla' backend runs under GSPMD, which keeps its batch sharding but gathers the "
+                  f"heads sharded over {sharding.heads} inside its loop (XLA's partitioner rejects the loop in a "
+                  "manual-sharding region). The 'pallas' backend (TPU) runs per device.", stacklevel=5)
+    if not per_device or not isinstance(sharding, Sharding):
+        key = None if seed is None else dropout.keys(seed, batch, q_heads)[0, 0]
+        return attention(q, k, v, request.segment_ids, request.kv_segment_ids, bias, key)
+    b, h = sharding.batch, sharding.heads
+    rows, per_row, ids = sharding.spec(b, h, None, None), sharding.spec(b, h, None), sharding.spec(b, None)
+
+    def local(t, spec, summed=None):
+        return None if t is None else _ToLocal.apply(t, sharding.mesh, spec, summed)
+
+    key = None
+    if seed is not None:
+        keys = dropout.keys(seed, batch, q_heads, sharding.ways(b), sharding.ways(h))
+        key = local(keys, per_row).view(3)
+    if bias is not None:
+        # A bias broadcast over batch (or heads) is whole on each device; its gradient is summed over the shards.
+        summed = {dim: axes for dim, axes in ((0, b), (1, h)) if bias.shape[dim] == 1 and axes}
+        bias = local(bias, sharding.spec(*(() if dim in summed else axes for dim, axes in ((0, b), (1, h))),
+                                         None, None), summed or None)
+    out, lse = attention(local(q, rows), local(k, rows), local(v, rows), local(request.segment_ids, ids),
+                         local(request.kv_segment_ids, ids), bias, key)
+    return (_ToGlobal.apply(out, sharding.mesh, rows, q.shape),
+            _ToGlobal.apply(lse, sharding.mesh, per_row, q.shape[:3]))
+
+
+class _ToLocal(torch.autograd.Function):
+    """Global tensor -> this device's shard (manual sharding); the gradient goes back to global.
+    ``summed`` {dim: axes}: dims of size 1 the shards use whole; their gradients add up over axes."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, spec, summed):
+        import torch_xla.distributed.spmd as xs
+
+        ctx.mesh, ctx.spec, ctx.summed, ctx.shape = mesh, spec, summed, t.shape
+        return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch_xla.distributed.spmd as xs
+
+        spec, shape = list(ctx.spec), list(ctx.shape)
+        for dim, axes in (ctx.summed or {}).items():  # one gradient per shard along dim, then their sum
+            spec[dim] = axes[0] if len(axes) == 1 else axes
+            shape[dim] = _ways(ctx.mesh, axes)
+        grad = xs.disable_manual_sharding(grad, tuple(spec), torch.Size(shape), mesh=ctx.mesh).global_tensor
+        if ctx.summed:
+            grad = grad.sum(dim=tuple(ctx.summed), keepdim=True)
+        return grad, None, None, None
+
+
+class _ToGlobal(torch.autograd.Function):
+    """This device's shard -> the global tensor; the gradient goes back to the shard."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, spec, shape):
+        import torch_xla.distributed.spmd as xs
+
+        ctx.mesh, ctx.spec = mesh, spec
+        return xs.disable_manual_sharding(t, spec, torch.Size(shape), mesh=mesh).global_tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch_xla.distributed.spmd as xs
+
+        return xs.enable_manual_sharding(grad.contiguous(), ctx.spec, mesh=ctx.mesh).global_tensor, None, None, None

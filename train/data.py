@@ -373,7 +373,8 @@ class BatchLoader:
                  shuffle: bool, seed: int, drop_last: bool, host: int = 0, hosts: int = 1):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
-        self._host_rows = host_rows(batch_size, host, hosts)
+        self._host_rows = host_rows(batch_size, host, hosts)  # of each global batch, the ones built here
+        self._host_size = batch_size // hosts
         if not buckets or list(buckets) != sorted(set(buckets)) or buckets[0] < 1:
             raise ValueError(f"buckets: expected increasing positive lengths, got {buckets!r}")
         if not isinstance(seed, int) or seed < 0:
@@ -419,18 +420,14 @@ class BatchLoader:
             rows = order[b * self.batch_size:(b + 1) * self.batch_size]  # the global batch
             yield self._lm_batch(rows) if self.lm else self._classification_batch(rows)
 
-    def _own(self, rows: np.ndarray) -> np.ndarray:
-        """This host's share of a global batch's rows (fewer at the end of drop_last=False: padding follows)."""
-        return rows[self._host_rows]
-
     def _classification_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         longest = max(len(self._input_ids[r]) for r in rows)  # over the global batch: one shape on every host
         length = next(bucket for bucket in self.buckets if bucket >= longest)
-        size = self._host_rows.stop - self._host_rows.start
+        size = self._host_size
         input_ids = np.full((size, length), self.pad_id, dtype=np.int64)  # (B, L)
         attention_mask = np.zeros((size, length), dtype=np.int64)        # (B, L)
         labels = np.full(size, IGNORE_INDEX, dtype=np.int64)              # (B,)
-        for i, r in enumerate(self._own(rows)):
+        for i, r in enumerate(rows[self._host_rows]):  # fewer at a drop_last=False end: padding follows
             ids = self._input_ids[r]
             input_ids[i, :len(ids)] = ids
             attention_mask[i, :len(ids)] = 1
@@ -440,8 +437,8 @@ class BatchLoader:
 
     def _lm_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         length = self._rows["input_ids"].shape[1]
-        size = self._host_rows.stop - self._host_rows.start
-        rows = self._own(rows)
+        size = self._host_size
+        rows = rows[self._host_rows]
         batch = {"input_ids": np.full((size, length), self.pad_id, dtype=np.int64),       # (B, L)
                  "position_ids": np.broadcast_to(np.arange(length), (size, length)).copy(),  # (B, L)
                  "labels": np.full((size, length), IGNORE_INDEX, dtype=np.int64)}           # (B, L)

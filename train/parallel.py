@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -51,7 +52,7 @@ class Spmd:
         xr.use_spmd()
         devices = xr.global_runtime_device_count()
         text = ",".join(f"{axis}={size}" for axis, size in axes.items())
-        if int(np.prod(list(axes.values()))) != devices:
+        if math.prod(axes.values()) != devices:
             raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} devices, got {text!r}")
         self.axes = axes
         # Devices in id order, laid out row-major: each host's devices are consecutive ids, so its
@@ -129,5 +130,9 @@ class Spmd:
     # Attention
 
     def attention(self) -> contextlib.AbstractContextManager:
-        """The context the run's attention calls are traced in."""
-        return contextlib.nullcontext()
+        """torchattn's kernels per device (torchattn.sharded): batch over the batch axes, heads over
+        model. Inside a model q is an intermediate tensor whose layout GSPMD decides only when it
+        compiles, so the run states it once."""
+        import torchattn
+
+        return torchattn.sharded(self.mesh, batch=self.batch_axes, heads="model" if "model" in self.axes else ())

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from train import checkpoint
+from train import checkpoint, sharded_checkpoint
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spmd_ckpt_roundtrip.py")
 
@@ -60,7 +60,7 @@ def test_each_shard_is_written_once_with_its_device_shape(roundtrip):
     import torch.distributed.checkpoint as dcp
 
     folder = os.path.join(roundtrip, "checkpoints", "step-00000002")
-    assert {".metadata", checkpoint.HOST_FILE, "__0_0.distcp"} <= set(os.listdir(folder))
+    assert {".metadata", sharded_checkpoint.HOST_FILE, "__0_0.distcp"} <= set(os.listdir(folder))
     stored = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
 
     def chunks(name):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 
@@ -212,3 +214,27 @@ def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path):
     assert result.stderr.strip().splitlines()[-1] == (
         "python -m train: error: --mesh: expected axis sizes whose product is the 4 devices, got 'data=3'")
     assert not os.path.exists(tmp_path / "x")
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_resumes_on_the_same_mesh_and_on_one_device(bert, docs_csv, tmp_path):
+    """Stopped (as by SIGTERM) after step 2 of 4 on data=2 x fsdp=2, the run's sharded checkpoint
+    resumes with the same mesh and, copied, on one device (--mesh none): steps 3 and 4 log the
+    losses of an uninterrupted single-device run."""
+    flags = ["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--max-steps", "4", "--log-steps", "1",
+             "--lr", "3e-3", "--eval-batches", "1", "--dropout", "0"]
+    assert main(flags + ["--output-dir", str(tmp_path / "uninterrupted")]) == 0
+    reference = losses(tmp_path / "uninterrupted")
+    mesh, single = tmp_path / "mesh", tmp_path / "single"
+    stopped = run_spmd(["tests/spmd_train_stop.py", "2", *flags, *MESH, "--output-dir", str(mesh)])
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    assert os.path.isdir(mesh / "checkpoints" / "step-00000002"), "a sharded checkpoint is a folder"
+    shutil.copytree(mesh, single)
+
+    resumed = run_spmd(["-m", "train", "--output-dir", str(mesh), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "mesh: data=2,fsdp=2 (4 devices, 1 host)" in resumed.stdout, "the saved configuration's mesh"
+    assert main(["--output-dir", str(single), "--resume", "--mesh", "none"]) == 0
+    assert len(reference) == 4
+    assert losses(mesh) == pytest.approx(reference, rel=REL)
+    assert losses(single) == pytest.approx(reference, rel=REL)

@@ -180,14 +180,20 @@ def max_positions(config: transformers.PretrainedConfig) -> int | None:
     return None
 
 
+def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict with every tensor copied to the CPU. Under a multi-host mesh the copy of a
+    sharded weight is a collective: every host must call this, not only the one that writes."""
+    return {key: value.detach().cpu() for key, value in model.state_dict().items()}
+
+
 def save_model(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,
-               directory: str) -> None:
+               directory: str, state: dict[str, torch.Tensor] | None = None) -> None:
     """``save_pretrained`` of the model and its tokenizer into ``directory``, written whole or not at all.
 
     The files go to a temporary folder next to ``directory``, which is renamed at the end (an existing
-    ``directory`` is replaced). Weights are copied to the CPU first, so a model on an XLA device saves
-    too. A patched model saves its unpatched state (patches changes no weight and no saved setting),
-    so the folder loads with ``from_pretrained`` in a process that never imports torchattn or patches.
+    ``directory`` is replaced). ``state``: the model's weights on the CPU (default :func:`cpu_state`).
+    A patched model saves its unpatched state (patches changes no weight and no saved setting), so the
+    folder loads with ``from_pretrained`` in a process that never imports torchattn or patches.
     """
     directory = os.path.abspath(directory)
     parent, name = os.path.split(directory)
@@ -195,8 +201,7 @@ def save_model(model: transformers.PreTrainedModel, tokenizer: transformers.PreT
     staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        state = {key: value.detach().cpu() for key, value in model.state_dict().items()}
-        model.save_pretrained(staging, state_dict=state)
+        model.save_pretrained(staging, state_dict=cpu_state(model) if state is None else state)
         tokenizer.save_pretrained(staging)
         if os.path.exists(directory):
             previous = os.path.join(parent, f".{name}.previous-{os.getpid()}")

@@ -129,7 +129,8 @@ class Trainer:
             self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
             self.is_main = self.spmd.host == 0
         self.checkpointer = checkpoint.Checkpointer(config.output_dir, every=config.save_steps,
-                                                    keep=config.keep_checkpoints, writer=self.is_main)
+                                                    keep=config.keep_checkpoints, writer=self.is_main,
+                                                    sharded=self.spmd is not None)
         self._resume_path = self._check_output_dir()
         self._stop_at_step = stop_at_step
         self._signal: int | None = None
@@ -198,7 +199,7 @@ class Trainer:
             os.makedirs(config.output_dir, exist_ok=True)
             save_config(config, os.path.join(config.output_dir, CONFIG_FILE))
         if self._resume_path is not None:
-            self.load_state_dict(self.checkpointer.load(self._resume_path))
+            self.load_state_dict(self.checkpointer.load(self._resume_path, template=self._state_to_load_into))
             if self.is_main:
                 self.metrics.truncate_after(self.position.step)
         self.memory = MemoryWatch(self.device)
@@ -217,7 +218,7 @@ class Trainer:
         if self.config.resume:
             if latest is None:
                 raise ConfigError(f"--resume: nothing to resume in {self.config.output_dir} "
-                                  f"(no {checkpoint.DIRECTORY}/step-*.pt)")
+                                  f"(no {checkpoint.DIRECTORY}/step-*)")
             return latest
         if latest is not None:
             raise ConfigError(f"--output-dir: {self.config.output_dir} holds another run's checkpoints "
@@ -238,6 +239,13 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.position = Position(**state["position"])
         checkpoint.set_rng_state(state["rng"], self.device)
+
+    def _state_to_load_into(self) -> dict:
+        """state_dict() ready to take a sharded checkpoint in place: the optimizer's state exists."""
+        from torch_xla.experimental.distributed_checkpoint import prime_optimizer
+
+        prime_optimizer(self.optimizer)  # one step with zero gradients creates it
+        return self.state_dict()
 
     # ------------------------------------------------------------------
     # Training
@@ -458,14 +466,16 @@ class Trainer:
     # The end
 
     def _finish(self) -> dict:
-        from .models import save_model
+        from .models import cpu_state, save_model
 
         config = self.config
         model_dir = os.path.join(config.output_dir, "model")
         records = self.metrics.read()
+        model = self.model if self.spmd else self.accelerator.unwrap_model(self.model)
+        # Under --mesh every host takes part in copying the sharded weights to the CPU (a collective).
+        state = cpu_state(model) if self.spmd or self.is_main else None
         if self.is_main:
-            save_model(self.model if self.spmd else self.accelerator.unwrap_model(self.model), self.tokenizer,
-                       model_dir)
+            save_model(model, self.tokenizer, model_dir, state)
             metrics.plot_loss(records, os.path.join(config.output_dir, metrics.PLOT_FILE))
         seconds = sum(t for t, _ in self._step_times)
         summary = {name: value for name, value in self._final_eval.items() if name not in ("step", "eval")}

@@ -47,6 +47,30 @@ def device():
     return torch_xla.device()
 
 
+@pytest.fixture(scope="session")
+def bert(tmp_path_factory):
+    """Folder of a tiny random BERT (tests/train_tiny.py) for the trainer's tests."""
+    import train_tiny
+
+    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
+
+
+@pytest.fixture(scope="session")
+def llama(tmp_path_factory):
+    """Folder of a tiny random Llama (GQA 4:2) for the trainer's tests."""
+    import train_tiny
+
+    return train_tiny.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
+
+
+@pytest.fixture(scope="session")
+def docs_csv(tmp_path_factory):
+    """A csv of 60 labelled documents (train_tiny.documents); a module may define its own size."""
+    import train_tiny
+
+    return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(60))
+
+
 @pytest.fixture
 def fake_tpu(monkeypatch):
     """torchattn sees a TPU v5e: its device reads (torchattn.devices) answer "TPU" and "TPU v5 lite".

@@ -19,11 +19,6 @@ from train.__main__ import main
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
-
-
-@pytest.fixture(scope="module")
 def docs_csv(tmp_path_factory):
     return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(40))
 

@@ -21,21 +21,6 @@ from train.trainer import Trainer, classification_scores
 TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "compiles", "host_rss_mb"}
 
 
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return train_tiny.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
-
-
-@pytest.fixture(scope="module")
-def docs_csv(tmp_path_factory):
-    return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(60))
-
-
 def records(output_dir) -> list[dict]:
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]

@@ -19,7 +19,6 @@ import datasets
 import numpy as np
 import pytest
 
-import train_tiny
 from train.__main__ import main
 from train.data import BatchLoader, host_rows
 from train.metrics import MetricsFile
@@ -154,21 +153,6 @@ def test_default_recipe_on_a_mesh_logs_the_single_device_losses_with_sharded_sta
     assert probe["batch"]["input_ids"]["shape"][0] == 16
     assert probe["batch"]["input_ids"]["shards"] == [[4, probe["batch"]["input_ids"]["shape"][1]]] * 4
     assert probe["batch"]["labels"]["shards"] == [[4]] * 4
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return train_tiny.save_tiny_llama(str(tmp_path_factory.mktemp("llama")))
-
-
-@pytest.fixture(scope="module")
-def bert(tmp_path_factory):
-    return train_tiny.save_tiny_bert(str(tmp_path_factory.mktemp("bert")))
-
-
-@pytest.fixture(scope="module")
-def docs_csv(tmp_path_factory):
-    return train_tiny.write_csv(str(tmp_path_factory.mktemp("data") / "docs.csv"), train_tiny.documents(60))
 
 
 @pytest.mark.slow

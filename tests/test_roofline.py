@@ -3,7 +3,8 @@
 import pytest
 
 from brute_force import sees
-from torchattn import roofline
+from torchattn import generations, roofline
+from torchattn.block_sizes import BlockSizes
 
 
 def _brute_force_pairs(q_len, kv_len, causal, window):
@@ -24,3 +25,95 @@ def test_useful_flops_are_the_papers_count():
     assert roofline.useful_flops(2, 3, 8, 8, 64, causal=False, backward=False) == 4 * 2 * 3 * 64 * 64
     assert roofline.useful_flops(2, 3, 8, 8, 64, causal=True, backward=False) == 4 * 2 * 3 * 36 * 64
     assert roofline.useful_flops(1, 1, 8, 8, 64, causal=True) == 3.5 * 4 * 36 * 64
+
+
+# --- the kernels' work (torchattn.kernels.cost) and the roofline on each generation ---
+
+BF16 = 2
+LANES = 128
+
+
+def _attention(length, head_dim=128, *, causal=False, window=None, q_heads=2, kv_heads=2, kv_length=None):
+    from torchattn.aot import Attention
+
+    return Attention(batch=1, q_heads=q_heads, kv_heads=kv_heads, q_len=length, kv_len=kv_length or length,
+                     head_dim=head_dim, causal=causal, window=window)
+
+
+def _brute_force_visible_tiles(q_len, kv_len, block_q, block_kv, causal, window):
+    """Tiles of the padded (q, kv) grid holding a pair brute_force.sees lets through."""
+    visible = set()
+    for i in range(q_len):
+        for j in range(kv_len):
+            if sees(i, j, q_len=q_len, kv_len=kv_len, causal=causal, window=window, q_id=None, kv_id=None):
+                visible.add((i // block_q, j // block_kv))
+    return len(visible)
+
+
+@pytest.mark.parametrize("q_len,kv_len,causal,window", [(320, 520, True, None), (512, 512, False, (100, 30))])
+def test_kernel_flops_are_the_matmuls_of_the_visible_tiles(q_len, kv_len, causal, window):
+    blocks = BlockSizes(64, 128, 32, 256)
+    work = roofline.kernel_work(_attention(q_len, causal=causal, window=window, kv_length=kv_len), blocks, "v5e")
+    heads, tile_matmul = 2, lambda bq, bkv: 2 * bq * bkv * LANES
+    forward_tiles = _brute_force_visible_tiles(q_len, kv_len, 64, 128, causal, window)
+    backward_tiles = _brute_force_visible_tiles(q_len, kv_len, 32, 256, causal, window)
+    assert work["forward"].flops == heads * forward_tiles * 2 * tile_matmul(64, 128)
+    assert work["backward_dq"].flops == heads * backward_tiles * 3 * tile_matmul(32, 256)
+    assert work["backward_dkv"].flops == heads * backward_tiles * 4 * tile_matmul(32, 256)
+
+
+def test_one_tile_per_head_moves_each_operand_exactly_once():
+    """Non-causal, one block per sequence: q, k, v read and out written once per head (bf16, 128 lanes),
+    plus the lse written as float32 broadcast over 128 lanes."""
+    length, heads = 512, 2
+    work = roofline.kernel_work(_attention(length, q_heads=heads, kv_heads=heads),
+                                BlockSizes(length, length, length, length), "v5e")
+    operand = length * LANES * BF16
+    assert work["forward"].bytes_accessed == heads * (4 * operand + length * LANES * 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
+def test_every_kernel_moves_at_least_its_operands_once(generation, causal):
+    """Bytes lower bound: forward reads q, k, v and writes out; dq reads q, k, v, do and writes dq;
+    dk/dv reads q, k, v, do and writes dk, dv (GQA: k, v and their gradients per kv head)."""
+    length, q_heads, kv_heads = 4000, 8, 2
+    work = roofline.kernel_work(_attention(length, causal=causal, q_heads=q_heads, kv_heads=kv_heads),
+                                BlockSizes.default(length, length, 128, generation), generation)
+    q_like, kv_like = q_heads * length * LANES * BF16, kv_heads * length * LANES * BF16
+    assert work["forward"].bytes_accessed >= 2 * q_like + 2 * kv_like
+    assert work["backward_dq"].bytes_accessed >= 3 * q_like + 2 * kv_like
+    assert work["backward_dkv"].bytes_accessed >= 2 * q_like + 4 * kv_like
+
+
+def test_head_dim_64_padded_to_128_lanes_costs_the_flops_of_128():
+    padded = roofline.kernel_work(_attention(2048, 64), BlockSizes(512, 512, 512, 512), "v5e")
+    wide = roofline.kernel_work(_attention(2048, 128), BlockSizes(512, 512, 512, 512), "v5e")
+    unpadded = roofline.kernel_work(_attention(2048, 64), BlockSizes(512, 512, 512, 512), "v5e", pad_head_dim=False)
+    for kernel in roofline.KERNELS:
+        assert padded[kernel] == wide[kernel]
+        assert unpadded[kernel].flops == wide[kernel].flops / 2
+        assert unpadded[kernel].bytes_accessed < padded[kernel].bytes_accessed
+
+
+def test_v5e_is_memory_bound_at_512_tokens_and_compute_bound_at_32k():
+    assert roofline.roofline(_attention(512), "v5e")["total"].bound == "memory"
+    assert roofline.roofline(_attention(32768), "v5e")["total"].bound == "compute"
+
+
+@pytest.mark.parametrize("generation", ["v4", "v5e", "v5p", "v6e"])
+def test_long_full_attention_reaches_seven_ninths_of_peak(generation):
+    """Compute-bound and no tile skipped: the kernels do 2 + 3 + 4 matmuls per tile where the papers
+    count 2 + 5, so useful FLOPs at roofline time are 7/9 of peak."""
+    total = roofline.roofline(_attention(32768), generation)["total"]
+    assert total.bound == "compute"
+    assert total.utilisation == pytest.approx(7 / 9, rel=1e-9)
+    chip = generations.get(generation)
+    assert total.seconds == pytest.approx(9 * 2 * 2 * 32768**2 * 128 / chip.peak_bf16_flops, rel=1e-9)
+
+
+def test_a_memory_bound_part_takes_its_bytes_over_the_bandwidth():
+    part = roofline.roofline(_attention(512), "v6e")["forward"]
+    assert part.bound == "memory"
+    assert part.seconds == part.work.bytes_accessed / generations.get("v6e").hbm_bytes_per_s
+    assert roofline.roofline(_attention(512), "v6e")["backward_dq"].utilisation is None

@@ -1,5 +1,10 @@
 """torchattn.roofline: useful FLOPs against brute-force counts."""
 
+import csv
+import importlib.util
+import os
+import sys
+
 import pytest
 
 from brute_force import sees
@@ -117,3 +122,40 @@ def test_a_memory_bound_part_takes_its_bytes_over_the_bandwidth():
     assert part.bound == "memory"
     assert part.seconds == part.work.bytes_accessed / generations.get("v6e").hbm_bytes_per_s
     assert roofline.roofline(_attention(512), "v6e")["backward_dq"].utilisation is None
+
+
+# --- scripts/roofline.py ---
+
+def _script():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "roofline.py")
+    spec = importlib.util.spec_from_file_location("roofline_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_writes_markdown_and_csv_rows_per_part(tmp_path, capsys):
+    out = tmp_path / "roofline"
+    assert _script().main(["--lengths", "512", "32768", "--head-dims", "64", "--generations", "v5p",
+                           "--out", str(out)]) == 0
+    with open(f"{out}.csv") as f:
+        rows = list(csv.DictReader(f))
+    # 2 lengths x 2 (causal or not) x 2 (padded to 128 lanes, and at 64) x 5 parts
+    assert len(rows) == 2 * 2 * 2 * 5
+    long_full = {(r["computed_head_dim"], r["part"]): r for r in rows if r["length"] == "32768"
+                 and r["causal"] == "False"}
+    assert float(long_full["128", "total"]["utilisation"]) == pytest.approx(7 / 18)  # half the lanes are padding
+    assert float(long_full["64", "total"]["gflop"]) == pytest.approx(9 * 2 * 8 * 32768**2 * 64 / 1e9)  # 9 matmuls
+    assert long_full["64", "backward_dq"]["utilisation"] == ""
+    text = (tmp_path / "roofline.md").read_text()
+    assert "## Head dims padded to 128 lanes, and without the padding" in text and "| 32,768 |" in text
+    assert text in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args", [["--lengths", "0"], ["--heads", "6", "--kv-heads", "4"], ["--generations", "v7"]])
+def test_the_script_refuses_bad_arguments(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _script().main(args)
+    assert exit_info.value.code == 2
+    assert args[0] in capsys.readouterr().err

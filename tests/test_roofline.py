@@ -159,3 +159,10 @@ def test_the_script_refuses_bad_arguments(args, capsys):
         _script().main(args)
     assert exit_info.value.code == 2
     assert args[0] in capsys.readouterr().err
+
+
+def test_float32_is_refused_as_the_peaks_are_bfloat16s():
+    from torchattn.aot import Attention
+
+    with pytest.raises(ValueError, match=r"attention.dtype: expected 'bfloat16' .*got 'float32'"):
+        roofline.roofline(Attention(1, 1, 1, 512, 512, 128, dtype="float32"), "v5e")

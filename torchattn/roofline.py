@@ -21,11 +21,15 @@ slices of the outputs).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import generations, masks
 from .block_sizes import BlockSizes
+
+if TYPE_CHECKING:
+    from .aot import Attention
 
 _FORWARD_FLOPS_PER_PAIR_AND_DIM = 4  # 2 matmuls x (multiply + add)
 _BACKWARD_OVER_FORWARD = 2.5  # 5 matmuls (q k^T again, do v^T, p^T do, ds k, ds^T q) to the forward's 2
@@ -70,11 +74,12 @@ class Work:
         return self.flops / self.bytes_accessed
 
 
-def kernel_work(attention, block_sizes: BlockSizes, generation: str, *, pad_head_dim: bool = True) -> dict[str, Work]:
-    """{kernel: Work} of the forward, dq and dk/dv launches of ``attention`` (a ``torchattn.aot.Attention``),
-    as the ``pallas`` backend runs it at ``block_sizes`` (clamped to the lengths, as a call clamps them).
+def kernel_work(attention: Attention, block_sizes: BlockSizes, generation: str, *,
+                pad_head_dim: bool = True) -> dict[str, Work]:
+    """{kernel: Work} of the forward, dq and dk/dv launches of ``attention`` as the ``pallas`` backend runs
+    it at ``block_sizes`` (clamped to the lengths, as a call clamps them).
 
-    ``pad_head_dim=False`` counts a head_dim below 128 as it is: what kernels that did not pad it to
+    ``pad_head_dim=False`` counts head_dim as it is: what kernels that did not pad it to a multiple of
     128 lanes would do and move.
     """
     from .kernels import cost  # imports jax
@@ -112,10 +117,13 @@ class Roofline:
     utilisation: float | None
 
 
-def roofline(attention, generation: str, block_sizes: BlockSizes | None = None, *,
+def roofline(attention: Attention, generation: str, block_sizes: BlockSizes | None = None, *,
              pad_head_dim: bool = True) -> dict[str, Roofline]:
     """{part: Roofline} (:data:`PARTS`) of ``attention`` on ``generation``, at ``block_sizes``
-    (default: the generation's, ``BlockSizes.default``)."""
+    (default: the generation's, ``BlockSizes.default``). bfloat16 only: the peak is bf16's."""
+    if attention.dtype != "bfloat16":
+        raise ValueError(f"attention.dtype: expected 'bfloat16' (the chips' peak FLOP/s is bf16's), "
+                         f"got {attention.dtype!r}")
     chip = generations.get(generation)
     blocks = block_sizes or attention.default_block_sizes(generation)
     work = kernel_work(attention, blocks, generation, pad_head_dim=pad_head_dim)

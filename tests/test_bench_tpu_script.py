@@ -121,9 +121,18 @@ def test_no_known_tpu_stops_before_the_benchmark(bench):
     assert not any("scripts/bench_attention.py" in call for call in calls)
 
 
-@pytest.mark.parametrize("args", [["--generation"], ["--generation", "--dry-run"]])
+@pytest.mark.parametrize("args", [["--generation"], ["--generation", "--dry-run"], ["--out"], ["--out", "--calls"]])
 def test_bad_arguments_exit_2_with_the_usage(bench, args):
     done, calls = bench(*args)
     assert done.returncode == 2
     assert "usage: bash scripts/bench_tpu.sh" in done.stderr
     assert calls == []
+
+
+def test_out_names_the_csv_written_and_summarised_without_detecting_the_generation(bench, tmp_path):
+    done, calls = bench("--out", "docs/bench/mine", "--lengths", "512")
+    assert done.returncode == 0, done.stderr
+    assert [call[2] for call in calls[1:]] == ["scripts/bench_attention.py", "-c"]  # no generation query
+    assert calls[1][calls[1].index("--out") + 1] == "docs/bench/mine"
+    assert (tmp_path / "checkout" / "docs" / "bench" / "mine.csv").exists()
+    assert "torchattn-pallas" in done.stdout.splitlines()[-2]

@@ -149,29 +149,35 @@ def head_dim_64_table(found: list[Case], args: argparse.Namespace) -> str | None
 
 
 def block_table(args: argparse.Namespace) -> str:
-    """Per generation: default blocks, each kernel's VMEM need (torchattn.kernels.vmem, no extra features) and
-    intensity at a long full-attention call, and the same at half the blocks."""
-    body = []
+    """Per generation and head_dim (128, and 256 for the wide-head blocks): the default blocks; the VMEM their
+    kernels need (torchattn.kernels.vmem), plain and with every feature, and at double the blocks; FLOP per
+    HBM byte at a long full-attention call, at the blocks and at half of them."""
     length = max(args.lengths)
+    body = []
     for generation in args.generations:
         chip = generations.get(generation)
         for head_dim, sizes in ((128, chip.blocks), (256, chip.blocks_wide_heads)):
             blocks = BlockSizes(*sizes)
+            double = BlockSizes(*(2 * n for n in sizes))
             half = BlockSizes(*(max(n // 2, MULTIPLES[name]) for n, name in zip(sizes, MULTIPLES)))
+            plain = vmem.Operands(head_dim=head_dim, dtype="bfloat16")
+            every = dataclasses.replace(plain, segments=True, bias=(length, length), bias_grad=True, dropout=True,
+                                        softcap=True)
+            needs = {(operands, b): vmem.needs(operands, b) for operands in (plain, every) for b in (blocks, double)}
             attention = Attention(batch=1, q_heads=1, kv_heads=1, q_len=length, kv_len=length, head_dim=head_dim)
-            needs = vmem.needs(vmem.Operands(head_dim=head_dim, dtype="bfloat16"), blocks)
             work, half_work = (roofline.kernel_work(attention, b, generation) for b in (blocks, half))
             below = [k for k in roofline.KERNELS if half_work[k].intensity < chip.ridge_flops_per_byte]
             body.append([generation, str(head_dim), ", ".join(map(str, sizes)),
-                         " / ".join(f"{needs[k] / MiB:.1f}" for k in vmem.KERNELS),
+                         *("; ".join(" / ".join(f"{needs[o, b][k] / MiB:.1f}" for k in vmem.KERNELS)
+                                     for o in (plain, every)) for b in (blocks, double)),
                          f"{chip.usable_vmem_bytes / MiB:.0f}",
                          " / ".join(f"{work[k].intensity:.0f}" for k in roofline.KERNELS),
-                         f"{chip.ridge_flops_per_byte:.0f}",
                          " / ".join(f"{half_work[k].intensity:.0f}" for k in roofline.KERNELS),
-                         ", ".join(below) or "none"])
-    return table(["generation", "head_dim", "blocks q, kv, q_bwd, kv_bwd", "VMEM MiB fwd / dq / dk,dv",
-                  "VMEM limit MiB", f"FLOP/byte at {length:,} tokens fwd / dq / dk,dv", "ridge",
-                  "FLOP/byte at half the blocks", "below the ridge at half"], body)
+                         f"{chip.ridge_flops_per_byte:.0f}", ", ".join(below) or "none"])
+    return table(["generation", "head_dim", "blocks q, kv, q_bwd, kv_bwd",
+                  "VMEM MiB fwd / dq / dk,dv: plain; every feature", "at double the blocks", "VMEM limit MiB",
+                  f"FLOP/byte at {length:,} tokens fwd / dq / dk,dv", "at half the blocks", "ridge",
+                  "below the ridge at half"], body)
 
 
 def markdown(found: list[Case], args: argparse.Namespace) -> str:
@@ -195,9 +201,11 @@ def markdown(found: list[Case], args: argparse.Namespace) -> str:
                      "lanes, the matrix unit computing on zeros) → the same blocks counted at the head_dim itself.",
                      narrow]
     sections += ["## Block sizes",
-                 "Default blocks per generation; VMEM each kernel needs at them (torchattn/kernels/vmem.py's "
-                 "estimate, bfloat16, no segment ids, bias, dropout or softcap) against the limit torchattn sets; "
-                 "FLOP per HBM byte at them and at half of each block, against the chip's ridge point.",
+                 "Default blocks per generation (head_dim ≤ 128, and the wide-head blocks at 256). VMEM each kernel "
+                 "needs (torchattn/kernels/vmem.py's estimate, calibrated on libtpu 0.0.21; bfloat16; plain, and "
+                 "with every feature: segment ids, a full bias with its gradient, dropout, softcap) at the blocks "
+                 "and at double them, against the limit torchattn sets. FLOP per HBM byte at the blocks and at half "
+                 "of them, against the chip's ridge point: a kernel below it is memory-bound.",
                  block_table(args)]
     return "\n\n".join(sections) + "\n"
 

@@ -9,7 +9,10 @@ from .block_sizes import BlockSizes  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .reference import attention_reference  # noqa: E402
 from .spmd import sharded  # noqa: E402
+from .tune_cache import clear_tuned, tuned  # noqa: E402
+from .tuning import tune  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded", "__version__"]
+__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded", "tune",
+           "tuned", "clear_tuned", "__version__"]

@@ -7,7 +7,7 @@ import numbers
 
 import torch
 
-from . import backends, devices, segments
+from . import backends, devices, segments, tune_cache
 from .block_sizes import BlockSizes
 from .dropout import MASK32, seed_to_uint32
 from .request import Options, Request, accumulation_dtype
@@ -162,7 +162,7 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
     bias = _check_bias(bias, q, k)
     seed = _check_dropout(dropout_p, dropout_seed, q.device)
     return_lse = _check_bool("return_lse", return_lse)
-    block_sizes = _resolve_block_sizes(block_sizes, q_len, kv_len, head_dim, q.device)
+    block_sizes = _resolve_block_sizes(block_sizes, q, k, causal, window, softcap, segment_ids, bias, dropout_p)
 
     options = Options(causal=causal, scale=scale, window=window, softcap=softcap,
                       dropout_p=float(dropout_p), block_sizes=block_sizes)
@@ -242,10 +242,15 @@ def _check_bias(bias, q, k):
     return bias.reshape((1,) * (4 - len(shape)) + shape)
 
 
-def _resolve_block_sizes(block_sizes, q_len, kv_len, head_dim, device) -> BlockSizes:
-    """The caller's block sizes clamped to the lengths, or the default for the device's TPU generation."""
+def _resolve_block_sizes(block_sizes, q, k, causal, window, softcap, segment_ids, bias, dropout_p) -> BlockSizes:
+    """The caller's block sizes clamped to the lengths; else those torchattn.tune cached for this call
+    (validated arguments); else the default for the device's TPU generation."""
+    q_len, kv_len = q.shape[2], k.shape[2]
     if block_sizes is None:
-        return BlockSizes.default(q_len, kv_len, head_dim, devices.tpu_generation(device))
+        tuned = tune_cache.lookup(q, k, causal, window, softcap, segment_ids, bias, dropout_p)
+        if tuned is not None:
+            return tuned
+        return BlockSizes.default(q_len, kv_len, q.shape[3], devices.tpu_generation(q.device))
     if not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(block_sizes)}")
     return block_sizes.clamped(q_len, kv_len)

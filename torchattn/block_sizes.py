@@ -11,6 +11,9 @@ from .types import is_bool
 
 # The multiple each block size must be: query blocks tile the TPU vreg's sublanes, key blocks its lanes.
 MULTIPLES = {"block_q": SUBLANES, "block_kv": LANES, "block_q_bwd": SUBLANES, "block_kv_bwd": LANES}
+# The sizes torchattn.tune tries for each block dimension (before clamping to the sequence): powers of
+# two from one lane tile to 2048 (beyond it blocks compile slowly and gain little arithmetic intensity).
+CANDIDATE_SIZES = (128, 256, 512, 1024, 2048)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,14 @@ class BlockSizes:
         q_max, kv_max = round_up(q_len, SUBLANES), round_up(kv_len, LANES)
         return BlockSizes(block_q=min(self.block_q, q_max), block_kv=min(self.block_kv, kv_max),
                           block_q_bwd=min(self.block_q_bwd, q_max), block_kv_bwd=min(self.block_kv_bwd, kv_max))
+
+
+def candidate_pairs(q_len: int, kv_len: int) -> list[tuple[int, int]]:
+    """Every (block_q, block_kv) of :data:`CANDIDATE_SIZES`, clamped to the sequences as
+    :meth:`BlockSizes.clamped` clamps them, without repeats; ascending."""
+    q_sizes = sorted({min(size, round_up(q_len, SUBLANES)) for size in CANDIDATE_SIZES})
+    kv_sizes = sorted({min(size, round_up(kv_len, LANES)) for size in CANDIDATE_SIZES})
+    return [(block_q, block_kv) for block_q in q_sizes for block_kv in kv_sizes]
 
 
 def _check_multiple(name: str, value, multiple: int) -> None:

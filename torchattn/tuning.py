@@ -1,0 +1,184 @@
+""":func:`tune`: times candidate block sizes for one attention call on this device and caches the fastest."""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from . import autograd, backends, devices, generations, tune_cache
+from .block_sizes import BlockSizes, candidate_pairs
+from .kernels import vmem
+from .types import is_bool, type_name
+
+Timer = Callable[[BlockSizes, Callable[[], None]], float]
+_NOT_TAKEN = {"block_sizes": "tune chooses them", "return_lse": "returning the lse does not change the work"}
+
+
+def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "auto",
+         candidates=None, calls: int = 3, timer: Timer | None = None, **features) -> BlockSizes:
+    """Times forward+backward of ``flash_attention(q, k, v, **features)`` at candidate block sizes
+    on this device, caches the fastest for the call's key and returns it.
+
+    Later ``flash_attention`` calls without ``block_sizes`` whose key is equal use the cached
+    sizes; explicit ``block_sizes`` always win. The key: device kind (what the chip calls
+    itself, e.g. "TPU v5 lite"), dtype, the shapes of q and k, and the features: causal,
+    window, softcap on/off, segment ids present, the bias's shape and whether it needs a
+    gradient, dropout on/off. The backend is not in the key: tune with the backend your
+    calls use (on a TPU, ``pallas``). See :func:`torchattn.tuned` and
+    :func:`torchattn.clear_tuned`; the cache file: ``torchattn.tune_cache.path()``.
+
+    Shapes: those of :func:`torchattn.flash_attention`,
+        q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim).
+        Their values only feed the timed calls (random data of the real shapes will do).
+
+    Args:
+        backend: as for flash_attention; it must resolve to a backend with block sizes
+            ("pallas", "interpret" or "xla"), so the tensors must be on an XLA device.
+        candidates: the ``BlockSizes`` to time (each clamped to the lengths). Default: a
+            search over :data:`torchattn.block_sizes.CANDIDATE_SIZES` (128 to 2048) clamped
+            to the lengths, on a TPU only blocks whose kernels fit the generation's VMEM
+            (``torchattn.kernels.vmem``): first every forward pair with the default
+            backward blocks, then every backward pair with the fastest forward pair (two
+            passes instead of every combination of both).
+        calls: timed calls per candidate, after one call that compiles; the median counts.
+        timer: ``timer(block_sizes, step) -> seconds``, where ``step()`` runs one
+            synchronised forward+backward at ``block_sizes``; replaces the wall clock
+            (tests inject one). Default: the median wall time of ``calls`` steps.
+        **features: flash_attention's keyword arguments (causal, scale, window,
+            segment_ids, kv_segment_ids, softcap, bias, dropout_p, dropout_seed), passed
+            to every timed call; ``block_sizes`` and ``return_lse`` are not taken.
+
+    Returns the fastest ``BlockSizes``, the first on ties.
+    """
+    for name, reason in _NOT_TAKEN.items():
+        if name in features:
+            raise TypeError(f"{name}: expected no such argument to tune ({reason}), got {features[name]!r}")
+    if is_bool(calls) or not isinstance(calls, numbers.Integral) or calls < 1:
+        raise ValueError(f"calls: expected an int >= 1, got {calls!r}")
+    if timer is not None and not callable(timer):
+        raise TypeError(f"timer: expected a callable (block_sizes, step) -> seconds or None, got {type_name(timer)}")
+    request = _validated(q, k, v, features)
+    chosen = backends.choose(request, backend).backend
+    if chosen not in autograd.IMPLEMENTATIONS:
+        raise ValueError(f"backend: expected one with block sizes ({sorted(autograd.IMPLEMENTATIONS)}) to tune, "
+                         f"got {chosen!r} for {backend!r} on a {request.device.type} device")
+    step = _step(q, k, v, features, chosen)
+    timings: dict[BlockSizes, float] = {}
+
+    def seconds(block_sizes: BlockSizes) -> float:
+        if block_sizes not in timings:
+            run = functools.partial(step, block_sizes)
+            timings[block_sizes] = _checked_seconds(
+                timer(block_sizes, run) if timer is not None else _median_seconds(run, calls))
+        return timings[block_sizes]
+
+    if candidates is None:
+        best = _search(request, chosen, seconds)
+    else:
+        best = min(_checked_candidates(candidates, request.q_len, request.kv_len), key=seconds)
+    o = request.options
+    key = tune_cache.Key.of(request.q, request.k, o.causal, o.window, o.softcap, request.segment_ids,
+                            request.bias, o.dropout_p)
+    tune_cache.store(key, tune_cache.Tuned(best, tuple(timings.items())))
+    return best
+
+
+def _validated(q, k, v, features):
+    """flash_attention's own validation of these arguments (unknown names raise TypeError)."""
+    from . import api
+
+    arguments = api._SIGNATURE.bind(q, k, v, **features)
+    arguments.apply_defaults()
+    del arguments.arguments["backend"]
+    return api._validate(**arguments.arguments)
+
+
+def _step(q, k, v, features, backend) -> Callable[[BlockSizes], None]:
+    """step(block_sizes): one forward+backward of the call on fresh leaves, waited for."""
+    from .api import flash_attention
+
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    bias = features.get("bias")
+    if bias is not None and bias.requires_grad:  # its gradient is work the real call does too
+        features = {**features, "bias": bias.detach().requires_grad_()}
+        leaves.append(features["bias"])
+
+    def step(block_sizes: BlockSizes) -> None:
+        out = flash_attention(*leaves[:3], block_sizes=block_sizes, backend=backend, **features)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+        _wait(q.device)
+
+    return step
+
+
+def _wait(device: torch.device) -> None:
+    """Runs the pending lazy graph and waits for the device: a timed step includes its execution."""
+    if device.type == "xla":
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+
+        torch_xla.sync()
+        xm.wait_device_ops()
+
+
+def _median_seconds(run: Callable[[], None], calls: int) -> float:
+    run()  # tracing and compilation, not timed
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _checked_seconds(seconds) -> float:
+    if is_bool(seconds) or not isinstance(seconds, numbers.Real) or not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"timer: expected it to return finite seconds >= 0, got {seconds!r}")
+    return float(seconds)
+
+
+def _checked_candidates(candidates, q_len: int, kv_len: int) -> list[BlockSizes]:
+    if isinstance(candidates, BlockSizes) or not hasattr(candidates, "__iter__"):
+        raise TypeError(f"candidates: expected an iterable of torchattn.BlockSizes or None, got "
+                        f"{type_name(candidates)}")
+    checked = []
+    for candidate in candidates:
+        if not isinstance(candidate, BlockSizes):
+            raise TypeError(f"candidates: expected torchattn.BlockSizes items, got {type_name(candidate)}")
+        clamped = candidate.clamped(q_len, kv_len)
+        if clamped not in checked:  # two that clamp alike are one candidate
+            checked.append(clamped)
+    if not checked:
+        raise ValueError("candidates: expected at least one BlockSizes or None, got none")
+    return checked
+
+
+def _search(request, backend: str, seconds: Callable[[BlockSizes], float]) -> BlockSizes:
+    """The default candidates (see tune): the forward pair, then the backward pair."""
+    generation = devices.tpu_generation(request.device)
+    start = BlockSizes.default(request.q_len, request.kv_len, request.head_dim, generation)
+    pairs = candidate_pairs(request.q_len, request.kv_len)
+    forward_pairs, backward_pairs = pairs, pairs
+    if backend == "pallas" and generation is not None:  # what does not fit VMEM would be refused at the call
+        from .backends.pallas import operands
+
+        available = generations.get(generation).usable_vmem_bytes
+        needs = functools.partial(vmem.kernel_bytes, operands=operands(request))
+
+        def fit(kernels):
+            return [(bq, bkv) for bq, bkv in pairs
+                    if all(needs(kernel, block_q=bq, block_kv=bkv) <= available for kernel in kernels)]
+
+        forward_pairs, backward_pairs = fit(vmem.KERNELS[:1]), fit(vmem.KERNELS[1:])
+        if not forward_pairs or not backward_pairs:
+            raise ValueError(f"head_dim: expected one at which some candidate block sizes fit the VMEM of "
+                             f"TPU {generation}, got {request.head_dim}")
+    forward = min(forward_pairs, key=lambda pair: seconds(BlockSizes(*pair, start.block_q_bwd, start.block_kv_bwd)))
+    backward = min(backward_pairs, key=lambda pair: seconds(BlockSizes(*forward, *pair)))
+    return BlockSizes(*forward, *backward)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import pytest
 import torch
 
@@ -86,21 +89,7 @@ def test_bias_broadcasts_and_its_gradient(bias_shape, device):
     k, v = (torch.randn(2, 2, 300, 16, generator=g) for _ in range(2))
     bias = torch.randn(bias_shape, generator=g)
     blocks = torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=8, block_kv_bwd=128)
-
-    def run(leaves, fn):
-        out = fn(*leaves[:3], bias=leaves[3], window=(None, 20))
-        return out, torch.autograd.grad(out, leaves, torch.ones_like(out))
-
-    want_out, want_grads = run([t.double().requires_grad_() for t in (q, k, v, bias)],
-                               lambda *a, **kw: torchattn.attention_reference(*a, **kw)[0])
-    got_out, got_grads = run([t.to(device).requires_grad_() for t in (q, k, v, bias)],
-                             lambda *a, **kw: torchattn.flash_attention(*a, backend=BACKEND,
-                                                                        block_sizes=blocks, **kw))
-    torch_xla.sync()
-    torch.testing.assert_close(got_out.cpu(), want_out.float(), atol=1e-5, rtol=1e-5)
-    for name, got, want in zip(GRADIENTS, got_grads, want_grads):
-        assert got.shape == want.shape, name
-        torch.testing.assert_close(got.cpu(), want.float(), atol=1e-4, rtol=1e-4, msg=name)
+    _check_against_reference((q, k, v, bias), blocks, device, window=(None, 20))
 
 
 def test_many_blocks_with_dropout(device):
@@ -109,22 +98,9 @@ def test_many_blocks_with_dropout(device):
     g = torch.Generator().manual_seed(6)
     q = torch.randn(1, 4, 200, 32, generator=g)
     k, v = (torch.randn(1, 2, 700, 32, generator=g) for _ in range(2))
-    kwargs = dict(causal=True, window=(100, None), dropout_p=0.2, dropout_seed=1234)
     blocks = torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=8, block_kv_bwd=256)
-
-    def run(leaves, fn):
-        out = fn(*leaves, **kwargs)
-        return out, torch.autograd.grad(out, leaves, torch.ones_like(out))
-
-    want_out, want_grads = run([t.double().requires_grad_() for t in (q, k, v)],
-                               lambda *a, **kw: torchattn.attention_reference(*a, **kw)[0])
-    got_out, got_grads = run([t.to(device).requires_grad_() for t in (q, k, v)],
-                             lambda *a, **kw: torchattn.flash_attention(*a, backend=BACKEND,
-                                                                        block_sizes=blocks, **kw))
-    torch_xla.sync()
-    torch.testing.assert_close(got_out.cpu(), want_out.float(), atol=1e-5, rtol=1e-5)
-    for name, got, want in zip(GRADIENTS, got_grads, want_grads):
-        torch.testing.assert_close(got.cpu(), want.float(), atol=1e-4, rtol=1e-4, msg=name)
+    _check_against_reference((q, k, v), blocks, device, causal=True, window=(100, None), dropout_p=0.2,
+                             dropout_seed=1234)
 
 
 def test_views_inside_the_custom_ops_are_functionalized(device):
@@ -151,3 +127,58 @@ def test_unavailable_off_xla_devices():
 def test_chosen_automatically_on_xla_cpu(device):
     q = torch.randn(1, 1, 4, 8).to(device)
     assert torchattn.explain(q, q, q).backend == BACKEND
+
+
+@pytest.mark.parametrize("q_len, kv_len, bias_shape", [(45, 300, (2, 4, 45, 300)), (300, 45, (1, 4, 1, 45))],
+                         ids=["q_shorter", "kv_shorter"])
+def test_query_and_key_tiles_with_every_feature(q_len, kv_len, bias_shape, device):
+    """Several query and key blocks, neither length a multiple of its block (forward and backward
+    blocks differ), tiles skipped by causal + window, query blocks that see no key (kv_shorter),
+    GQA 4:2, segments, softcap, a bias with its gradient, dropout: against the float64 reference."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, q_len, 32, generator=g)
+    k, v = (torch.randn(2, 2, kv_len, 32, generator=g) for _ in range(2))
+    bias = torch.randn(bias_shape, generator=g)
+    segment_ids = torch.randint(0, 3, (2, q_len), generator=g)
+    kv_segment_ids = torch.randint(0, 3, (2, kv_len), generator=g)
+    blocks = torchattn.BlockSizes(block_q=16, block_kv=128, block_q_bwd=8, block_kv_bwd=256)
+    _check_against_reference((q, k, v, bias), blocks, device, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                             causal=True, window=(100, None), softcap=5.0, dropout_p=0.1, dropout_seed=99)
+
+
+def test_loop_working_set_does_not_grow_with_q_len(device):
+    """The largest matmul result or exp in the forward + backward graph is one (block_q x block_kv)
+    tile per head, at 64 and at 512 queries (the loop once held all queries against a key block)."""
+    blocks = torchattn.BlockSizes(block_q=16, block_kv=128, block_q_bwd=16, block_kv_bwd=128)
+
+    def largest_tile(q_len):
+        q = torch.randn(1, 4, q_len, 32).to(device).requires_grad_()
+        k, v = (torch.randn(1, 2, 300, 32).to(device).requires_grad_() for _ in range(2))
+        out = torchattn.flash_attention(q, k, v, causal=True, backend=BACKEND, block_sizes=blocks)
+        hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, *torch.autograd.grad(out.sum(), (q, k, v))])
+        shapes = re.findall(r"= f32\[([\d,]*)\]\S* (?:dot|exponential)\(", hlo)
+        return max(math.prod(int(n) for n in shape.split(",")) for shape in shapes)
+
+    assert largest_tile(64) == largest_tile(512) == 4 * 16 * 128  # batch 1 x 4 query heads x tile
+
+
+def _check_against_reference(inputs, blocks, device, **kwargs):
+    """out and the gradients of ``inputs`` (q, k, v, and the bias if given) from the xla backend with
+    ``blocks``, against the float64 reference; tensors among ``kwargs`` (segment ids) go along."""
+
+    def run(leaves, where, attention):
+        options = {name: t.to(where) if isinstance(t, torch.Tensor) else t for name, t in kwargs.items()}
+        if len(leaves) == 4:
+            options["bias"] = leaves[3]
+        out = attention(*leaves[:3], **options)
+        return out, torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    want_out, want_grads = run([t.double().requires_grad_() for t in inputs], "cpu",
+                               lambda *a, **kw: torchattn.attention_reference(*a, **kw)[0])
+    got_out, got_grads = run([t.to(device).requires_grad_() for t in inputs], device,
+                             lambda *a, **kw: torchattn.flash_attention(*a, backend=BACKEND, block_sizes=blocks, **kw))
+    torch_xla.sync()
+    torch.testing.assert_close(got_out.cpu(), want_out.float(), atol=1e-5, rtol=1e-5)
+    for name, got, want in zip(GRADIENTS, got_grads, want_grads):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got.cpu(), want.float(), atol=1e-4, rtol=1e-4, msg=name)

@@ -1,25 +1,37 @@
 """Blockwise attention in plain torch ops: the ``xla`` backend's forward and backward,
 compiled by XLA for any XLA device.
 
-Flash-attention-2 style: a loop over blocks of ``block_kv`` keys keeps a running
-max, denominator and accumulator for every query row, so no (q_len x kv_len)
-tensor is ever built (only the bias gradient, which has the bias's own size).
-The loop is one XLA While (torch_xla's scan), so compile time does not grow with
-kv_len. All queries go through each step together. GQA runs as (batch, kv_heads,
-groups * q_len) rows against the shared K/V head, so K/V are never repeated.
+Flash-attention-2 style over (query block, key block) tiles of ``block_q`` x
+``block_kv`` (``block_q_bwd`` x ``block_kv_bwd`` in the backward), so no
+(q_len x kv_len) tensor is ever built (only the bias gradient, which has the bias's
+own size) and the loop's working set, a few tiles, does not grow with either length.
+The loop is one XLA While (torch_xla's scan) over the list of tiles the causal/window
+band makes visible (kernels/block_geometry.py, as for the Pallas grid; about half the
+tiles when causal), so compile time grows with neither length. The tile list is static,
+built on the host; each step picks its blocks out of the loop-invariant inputs by index.
 
-Inside the loop every tensor is in the "rows" layout: (B, Hkv, R, ...) with
-R = G * Sq rows, row r being query r % Sq of query head kv_head * G + r // Sq.
-Everything is computed in float32; float64 inputs stay float64 throughout, lse included.
+- Forward: tiles ordered by query block. The carry holds the current query block's running
+  max, denominator and accumulator, reset at the block's first tile; every step writes the
+  block's output and lse so far into the (query blocks, ...) result buffers, so the block's
+  last tile leaves its final values there. Query blocks with no visible tile keep 0 and -inf.
+- Backward: tiles ordered by key block; every step adds its share to dq, dk, dv (and the
+  bias gradient) in buffers of the inputs' sizes.
+
+GQA runs as (batch, kv_heads, groups * block_q) rows against the shared K/V head, so K/V
+are never repeated: row r of a query block is query r % block_q of query head
+kv_head * G + r // block_q. Everything is computed in float32; float64 inputs stay float64
+throughout, lse included.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from . import internals, masks
 from .dropout import column_keys, element_bits, keep_threshold, row_keys
+from .kernels.block_geometry import BlockGeometry
 from .request import accumulation_dtype
 
 _NEG_INF = float("-inf")
@@ -29,141 +41,213 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
     import torch_xla.debug.profiler as xp
 
     with xp.Trace("torchattn.xla.forward"):
-        lay = _Layout(q, k, options.block_sizes.block_kv)
-        fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
-        rows_shape = (lay.B, lay.Hkv, lay.R, 1)
-        m = torch.full(rows_shape, _NEG_INF, dtype=lay.compute, device=q.device)  # running max
-        denom = torch.zeros(rows_shape, dtype=lay.compute, device=q.device)  # running denominator
-        acc = torch.zeros((lay.B, lay.Hkv, lay.R, lay.D), dtype=lay.compute, device=q.device)
+        lay = _Layout(q, k, bias, options.block_sizes.block_q, options.block_sizes.block_kv)
+        data = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
+        tiles = _tiles(lay, options, by_kv=False, device=q.device)
+        rows_shape = (lay.B, lay.Hkv, lay.rows, 1)
+        zeros = dict(dtype=lay.compute, device=q.device)
+        state = (torch.full(rows_shape, _NEG_INF, **zeros),  # running max of the current query block
+                 torch.zeros(rows_shape, **zeros),  # running denominator
+                 torch.zeros((*rows_shape[:3], lay.D), **zeros))  # accumulator
+        results = (torch.zeros((lay.nq, *rows_shape[:3], lay.D), **zeros),  # output per query block
+                   torch.full((lay.nq, *rows_shape), _NEG_INF, **zeros))  # lse per query block
 
-        def step(carry, blk):
-            (m, denom, acc), fixed = carry
-            s, mask, _ = _scores(lay, options, fixed, blk)
+        def step(carry, tile):
+            ((m, denom, acc), (out, lse)), data = carry
+            first = tile["first"]  # the query block's first tile: its running state starts afresh
+            m, denom, acc = (torch.where(first, start, t) for t, start in ((m, _NEG_INF), (denom, 0.0), (acc, 0.0)))
+            blk = _tile_inputs(lay, data, tile)
+            s, mask, _ = _scores(lay, options, blk, tile)
             s = torch.where(mask, s, _NEG_INF)
             m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             # Rows that have seen no key yet keep m = -inf; subtracting 0 instead
             # gives exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
             m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
-            p = torch.exp(s - m_safe)  # (B, Hkv, R, bk)
+            p = torch.exp(s - m_safe)  # (B, Hkv, G * bq, bk)
             alpha = torch.exp(m - m_safe)
             denom = denom * alpha + p.sum(-1, keepdim=True)
             if options.dropout_p > 0.0:  # the denominator counts dropped keys too
-                p = torch.where(_keep(options, fixed, blk), p, 0.0)
+                p = torch.where(_keep(lay, options, blk, tile), p, 0.0)
             acc = acc * alpha + p @ blk["v"]
-            return ((m_new, denom, acc), fixed), ()
+            seen = denom > 0
+            block_out = torch.where(seen, acc / (torch.where(seen, denom, 1.0) * (1.0 - options.dropout_p)), 0.0)
+            block_lse = torch.where(seen, m_new + torch.log(denom), _NEG_INF)
+            at = tile["q"].view(1)
+            out, lse = out.index_copy(0, at, block_out.unsqueeze(0)), lse.index_copy(0, at, block_lse.unsqueeze(0))
+            return (((m_new, denom, acc), (out, lse)), data), ()
 
-        ((m, denom, acc), _), _ = internals.scan(step, ((m, denom, acc), fixed), blocks)
-        seen = denom > 0
-        denom = torch.where(seen, denom, 1.0)
-        out = torch.where(seen, acc / (denom * (1.0 - options.dropout_p)), 0.0)
-        lse = torch.where(seen, m + torch.log(denom), _NEG_INF)
-        out = out.view(lay.B, lay.Hq, lay.Sq, lay.D).to(q.dtype)  # rows layout -> (B, Hq, Sq, D)
-        return out, lse.view(lay.B, lay.Hq, lay.Sq).to(lay.compute)
+        ((_, (out, lse)), _), _ = internals.scan(step, ((state, results), data), tiles)
+        out = lay.from_q_blocks(out).to(q.dtype)  # (B, Hq, Sq, D)
+        return out, lay.from_q_blocks(lse).squeeze(-1)  # (B, Hq, Sq), compute dtype
 
 
 def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, options, bias_grad):
     import torch_xla.debug.profiler as xp
 
     with xp.Trace("torchattn.xla.backward"):
-        lay = _Layout(q, k, options.block_sizes.block_kv_bwd)
-        fixed, blocks = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
-        do = lay.rows(do)
+        lay = _Layout(q, k, bias, options.block_sizes.block_q_bwd, options.block_sizes.block_kv_bwd)
+        data = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
+        tiles = _tiles(lay, options, by_kv=True, device=q.device)
+        do = do.to(lay.compute)
         # delta = rowsum(dO * O) - dlse: the softmax backward's row term, plus lse's own gradient.
-        delta = (do * lay.rows(out)).sum(-1, keepdim=True) - lay.rows(dlse.unsqueeze(-1))
-        lse = lay.rows(lse.unsqueeze(-1))
+        delta = (do * out.to(lay.compute)).sum(-1, keepdim=True) - dlse.to(lay.compute).unsqueeze(-1)
+        lse = lse.to(lay.compute).unsqueeze(-1)
         # Rows that saw no key (lse = -inf) get p = exp(s - inf) = 0.
-        fixed.update(do=do, delta=delta, lse=torch.where(lse == _NEG_INF, float("inf"), lse))
+        lse = torch.where(lse == _NEG_INF, float("inf"), lse)
+        data["q"].update(do=lay.q_blocks(do), delta=lay.q_blocks(delta), lse=lay.q_blocks(lse))
         keep_scale = 1.0 / (1.0 - options.dropout_p)
+        grads = (torch.zeros_like(data["q"]["q"]), torch.zeros_like(data["kv"]["k"]), torch.zeros_like(data["kv"]["v"]))
+        if bias_grad:
+            grads += (torch.zeros_like(data["bias"]["bias"]),)
 
-        def step(carry, blk):
-            (dq,), fixed = carry
-            s, mask, tanh = _scores(lay, options, fixed, blk)
-            p = torch.where(mask, torch.exp(s - fixed["lse"]), 0.0)  # (B, Hkv, R, bk)
-            dp = fixed["do"] @ blk["v"].transpose(-1, -2)  # (B, Hkv, R, bk)
+        def step(carry, tile):
+            (dq, dk, dv, *dbias), data = carry
+            blk = _tile_inputs(lay, data, tile)
+            s, mask, tanh = _scores(lay, options, blk, tile)
+            p = torch.where(mask, torch.exp(s - blk["lse"]), 0.0)  # (B, Hkv, G * bq, bk)
+            dp = blk["do"] @ blk["v"].transpose(-1, -2)  # (B, Hkv, G * bq, bk)
             p_dropped = p
             if options.dropout_p > 0.0:
-                keep = _keep(options, fixed, blk)
+                keep = _keep(lay, options, blk, tile)
                 p_dropped = torch.where(keep, p * keep_scale, 0.0)
                 dp = torch.where(keep, dp * keep_scale, 0.0)
-            # Contracting over R sums the G query heads that share this kv head.
-            dv = p_dropped.transpose(-1, -2) @ fixed["do"]  # (B, Hkv, bk, D)
-            ds = p * (dp - fixed["delta"])  # gradient of the logits after softcap and bias
-            dbias = (_sum_to(lay.heads(ds), blk["bias"].shape),) if bias_grad else ()
+            ds = p * (dp - blk["delta"])  # gradient of the logits after softcap and bias
+            if bias_grad:
+                tile_dbias = _sum_to(lay.heads(ds), blk["bias"].shape)  # (Bb, Hkv|1, G|1, bq|1, bk|1)
+                dbias = [dbias[0].index_add(0, tile["bias"].view(1), tile_dbias.unsqueeze(0))]
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
-            dq = dq + ds @ blk["k"]
-            dk = ds.transpose(-1, -2) @ fixed["q"]  # q carries the scale already
-            return ((dq,), fixed), (dk, dv, *dbias)
+            at_q, at_kv = tile["q"].view(1), tile["kv"].view(1)
+            dq = dq.index_add(0, at_q, (ds @ blk["k"]).unsqueeze(0))
+            # Contracting over G * bq rows sums the G query heads that share this kv head.
+            dk = dk.index_add(0, at_kv, (ds.transpose(-1, -2) @ blk["q"]).unsqueeze(0))  # q carries the scale
+            dv = dv.index_add(0, at_kv, (p_dropped.transpose(-1, -2) @ blk["do"]).unsqueeze(0))
+            return ((dq, dk, dv, *dbias), data), ()
 
-        dq = torch.zeros((lay.B, lay.Hkv, lay.R, lay.D), dtype=lay.compute, device=q.device)
-        ((dq,), _), grads = internals.scan(step, ((dq,), fixed), blocks)
-        dq = (dq * options.scale).view(q.shape).to(q.dtype)  # rows layout -> (B, Hq, Sq, D)
-        dk, dv = (_merge_kv(g, 3, lay.Skv).to(k.dtype) for g in grads[:2])  # (B, Hkv, Skv, D)
+        (grads, _), _ = internals.scan(step, (grads, data), tiles)
+        dq = (lay.from_q_blocks(grads[0]) * options.scale).to(q.dtype)  # (B, Hq, Sq, D)
+        dk, dv = (_merge(g, 3, lay.Skv).to(k.dtype) for g in grads[1:3])  # (B, Hkv, Skv, D)
         dbias = None
         if bias_grad:
-            # (n, Bb, Hkv|1, G|1, Sqb, bk|1) -> (Bb, Hkv|1, G|1, Sqb, Skvb) -> bias's shape
-            dbias = grads[2].sum(0) if bias.shape[-1] == 1 else _merge_kv(grads[2], 5, lay.Skv)
-            dbias = dbias.reshape(bias.shape).to(bias.dtype)
+            dbias = _bias_from_blocks(lay, grads[3], bias).to(bias.dtype)
         return dq, dk, dv, dbias
 
 
 class _Layout:
-    """Static sizes of one call and the reshapes between (B, Hq, Sq, .) and the rows layout."""
+    """Static sizes of one call and the reshapes between (B, Hq, Sq, .) and query blocks of rows."""
 
-    def __init__(self, q, k, block_kv):
+    def __init__(self, q, k, bias, block_q, block_kv):
         self.B, self.Hq, self.Sq, self.D = q.shape
         self.Hkv, self.Skv = k.shape[1], k.shape[2]
         self.G = self.Hq // self.Hkv
-        self.R = self.G * self.Sq
-        self.bk = block_kv
-        self.n = -(-self.Skv // block_kv)  # number of kv blocks; the last one is padded
+        self.bq, self.bk = block_q, block_kv
+        self.nq, self.nk = -(-self.Sq // block_q), -(-self.Skv // block_kv)  # the last blocks are padded
+        self.rows = self.G * block_q  # rows per query block
+        # Whether the bias has a query / key axis (False where it broadcasts: its blocks do too).
+        self.bias_axes = (False, False) if bias is None else (bias.shape[2] > 1, bias.shape[3] > 1)
         self.compute = accumulation_dtype(q.dtype)
 
-    def rows(self, t):
-        """(B, Hq, Sq, X) -> (B, Hkv, G * Sq, X) in the compute dtype (a view: Hq = Hkv * G)."""
-        return t.to(self.compute).reshape(self.B, self.Hkv, self.R, t.shape[-1])
+    def q_blocks(self, t):
+        """(B, Hq, Sq, X) -> (nq, B, Hkv, G * bq, X); padding rows are 0."""
+        t = t.reshape(self.B, self.Hkv, self.G, self.Sq, t.shape[-1])
+        return _split(t, 3, self.bq, self.nq).reshape(self.nq, self.B, self.Hkv, self.rows, t.shape[-1])
+
+    def from_q_blocks(self, t):
+        """Inverse of :meth:`q_blocks`: (nq, B, Hkv, G * bq, X) -> (B, Hq, Sq, X)."""
+        t = t.view(self.nq, self.B, self.Hkv, self.G, self.bq, t.shape[-1])
+        return _merge(t, 4, self.Sq).reshape(self.B, self.Hq, self.Sq, t.shape[-1])
 
     def heads(self, t):
-        """(B, Hkv, R, X) -> (B, Hkv, G, Sq, X), to broadcast against a bias block."""
-        return t.view(self.B, self.Hkv, self.G, self.Sq, t.shape[-1])
+        """(B, Hkv, G * bq, X) -> (B, Hkv, G, bq, X), to broadcast against a bias block."""
+        return t.view(self.B, self.Hkv, self.G, self.bq, t.shape[-1])
+
+
+def _tiles(lay, options, by_kv, device):
+    """The visible (query block, key block) tiles as the loop's inputs, int64 (n,) each:
+    ``q``, ``kv``, ``bias`` (the tile's bias block). Ordered by query block, with ``first``
+    (bool: the first tile of its query block), or by key block if ``by_kv``.
+
+    The band always holds the last query's diagonal key, so the list is never empty.
+    """
+    left, right = options.bounds
+    geometry = BlockGeometry(q_len=lay.Sq, kv_len=lay.Skv, block_q=lay.bq, block_kv=lay.bk, left=left, right=right)
+    # Broadcast: without a band, visibility depends on neither index.
+    visible = np.broadcast_to(geometry.visible(np.arange(lay.nq)[:, None], np.arange(lay.nk)[None, :], np),
+                              (lay.nq, lay.nk))
+    if by_kv:
+        kv_index, q_index = np.nonzero(visible.T)
+    else:
+        q_index, kv_index = np.nonzero(visible)
+    has_q, has_kv = lay.bias_axes
+    bias_index = (q_index if has_q else 0) * (lay.nk if has_kv else 1) + (kv_index if has_kv else 0)  # _bias_blocks
+    as_tensor = dict(dtype=torch.int64, device=device)
+    tiles = {"q": torch.tensor(q_index, **as_tensor), "kv": torch.tensor(kv_index, **as_tensor),
+             "bias": torch.tensor(np.broadcast_to(bias_index, q_index.shape), **as_tensor)}
+    if not by_kv:
+        tiles["first"] = torch.tensor(np.diff(q_index, prepend=-1) != 0, device=device)
+    return tiles
 
 
 def _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
-    """Loop invariants (``fixed``) and per-block inputs (``blocks``, leading dim n)."""
+    """Loop invariants, grouped by the index that picks a step's block out of them:
+    ``q`` (leading dim nq), ``kv`` (nk), ``bias`` (bias blocks) and ``const`` (taken whole)."""
     dev = q.device
     idx = dict(dtype=torch.int64, device=dev)
-    fixed = {
-        "q": lay.rows(q) * options.scale,  # (B, Hkv, R, D)
-        "rows": torch.arange(lay.Sq, **idx).repeat(lay.G).view(lay.R, 1),  # query index of each row
-    }
-    blocks = {
-        "k": _split_kv(k.to(lay.compute), 2, lay),  # (n, B, Hkv, bk, D)
-        "v": _split_kv(v.to(lay.compute), 2, lay),
-        "cols": torch.arange(lay.n * lay.bk, **idx).view(lay.n, lay.bk),  # global key index
-    }
+    by_q = {"q": lay.q_blocks(q.to(lay.compute)) * options.scale}  # (nq, B, Hkv, G * bq, D)
+    by_kv = {"k": _split(k.to(lay.compute), 2, lay.bk, lay.nk),  # (nk, B, Hkv, bk, D)
+             "v": _split(v.to(lay.compute), 2, lay.bk, lay.nk)}
+    const = {"rows": torch.arange(lay.bq, **idx).repeat(lay.G).view(lay.rows, 1),  # query offset in its block
+             "cols": torch.arange(lay.bk, **idx)}  # key offset in its block
+    data = {"q": by_q, "kv": by_kv, "const": const}
     if segment_ids is not None:
-        q_seg = segment_ids.view(lay.B, 1, 1, lay.Sq).expand(lay.B, 1, lay.G, lay.Sq)
-        fixed["q_seg"] = q_seg.reshape(lay.B, 1, lay.R, 1)
-        blocks["kv_seg"] = _split_kv(kv_segment_ids.view(lay.B, 1, 1, lay.Skv), 3, lay)  # (n, B, 1, 1, bk)
+        q_seg = segment_ids.view(lay.B, 1, 1, lay.Sq, 1).expand(lay.B, 1, lay.G, lay.Sq, 1)
+        by_q["q_seg"] = _split(q_seg, 3, lay.bq, lay.nq).reshape(lay.nq, lay.B, 1, lay.rows, 1)
+        by_kv["kv_seg"] = _split(kv_segment_ids.view(lay.B, 1, 1, lay.Skv), 3, lay.bk, lay.nk)  # (nk, B, 1, 1, bk)
     if bias is not None:
         # (Bb, Hb, Sqb, Skvb) -> (Bb, Hkv|1, G|1, Sqb, Skvb) to broadcast against heads(scores).
         split_heads = (lay.Hkv, lay.G) if bias.shape[1] > 1 else (1, 1)
         bias = bias.to(lay.compute).reshape(bias.shape[0], *split_heads, *bias.shape[2:])
-        blocks["bias"] = (_split_kv(bias, 4, lay) if bias.shape[-1] > 1  # (n, Bb, ., ., Sqb, bk)
-                          else bias.unsqueeze(0).expand(lay.n, *bias.shape))  # (n, Bb, ., ., Sqb, 1)
+        data["bias"] = {"bias": _bias_blocks(lay, bias)}
     if options.dropout_p > 0.0:
-        # batch_head = first + b * heads + h (torchattn.dropout.keys), query head h = kv_head * G + r // Sq.
+        # batch_head = first + b * heads + h (torchattn.dropout.keys).
         seed, first, heads = dropout_key
         batch_head = torch.arange(lay.B, **idx).view(lay.B, 1) * heads + torch.arange(lay.Hq, **idx) + first
-        batch_head = batch_head.view(lay.B, lay.Hkv, lay.G, 1).expand(-1, -1, -1, lay.Sq)
-        batch_head = batch_head.reshape(lay.B, lay.Hkv, lay.R, 1)
-        fixed["row_keys"] = row_keys(seed, batch_head, fixed["rows"])  # (B, Hkv, R, 1)
-    return fixed, blocks
+        batch_head = batch_head.view(lay.B, lay.Hq, 1, 1)
+        keys = row_keys(seed, batch_head, torch.arange(lay.Sq, **idx).view(lay.Sq, 1))  # (B, Hq, Sq, 1)
+        by_q["row_keys"] = lay.q_blocks(keys)  # (nq, B, Hkv, G * bq, 1)
+    return data
 
 
-def _scores(lay, options, fixed, blk):
-    """Logits of one kv block (B, Hkv, R, bk), its visibility mask, and tanh (softcap) or None."""
-    s = fixed["q"] @ blk["k"].transpose(-1, -2)  # (B, Hkv, R, bk)
+def _bias_blocks(lay, bias):
+    """(Bb, H, G, Sqb, Skvb) -> (bias blocks, Bb, H, G, bq|1, bk|1): block (i, j) at i * nk + j,
+    where i, j are 0 along an axis the bias broadcasts over."""
+    has_q, has_kv = lay.bias_axes
+    bias = _split(bias, 4, lay.bk, lay.nk) if has_kv else bias.unsqueeze(0)  # (nk|1, Bb, H, G, Sqb, bk|1)
+    bias = _split(bias, 4, lay.bq, lay.nq) if has_q else bias.unsqueeze(0)  # (nq|1, nk|1, Bb, H, G, bq|1, bk|1)
+    return bias.reshape(-1, *bias.shape[2:])
+
+
+def _bias_from_blocks(lay, blocks, bias):
+    """Inverse of :func:`_bias_blocks`, back to ``bias``'s shape."""
+    has_q, has_kv = lay.bias_axes
+    blocks = blocks.view(lay.nq if has_q else 1, lay.nk if has_kv else 1, *blocks.shape[1:])
+    blocks = _merge(blocks, 5, lay.Sq) if has_q else blocks.squeeze(0)  # (nk|1, Bb, H, G, Sqb, bk|1)
+    blocks = _merge(blocks, 5, lay.Skv) if has_kv else blocks.squeeze(0)  # (Bb, H, G, Sqb, Skvb)
+    return blocks.reshape(bias.shape)
+
+
+def _tile_inputs(lay, data, tile):
+    """The step's blocks: each loop invariant indexed by the tile's block of its group."""
+    blk = dict(data["const"])
+    for group in ("q", "kv", "bias"):
+        at = tile[group].view(1)
+        blk.update({name: t.index_select(0, at).squeeze(0) for name, t in data.get(group, {}).items()})
+    return blk
+
+
+def _scores(lay, options, blk, tile):
+    """Logits of one tile (B, Hkv, G * bq, bk), its visibility mask, and tanh (softcap) or None."""
+    s = blk["q"] @ blk["k"].transpose(-1, -2)  # (B, Hkv, G * bq, bk)
     tanh = None
     if options.softcap is not None:
         tanh = torch.tanh(s / options.softcap)
@@ -171,28 +255,35 @@ def _scores(lay, options, fixed, blk):
     if "bias" in blk:
         s = (lay.heads(s) + blk["bias"]).view(s.shape)
     left, right = options.bounds
-    mask = masks.visible(fixed["rows"], blk["cols"], q_len=lay.Sq, kv_len=lay.Skv, left=left, right=right,
-                         q_ids=fixed.get("q_seg"), kv_ids=blk.get("kv_seg"))  # (R, bk), with segments (B, 1, R, bk)
+    rows, cols = _positions(lay, blk, tile)
+    mask = masks.visible(rows, cols, q_len=lay.Sq, kv_len=lay.Skv, left=left, right=right,
+                         q_ids=blk.get("q_seg"), kv_ids=blk.get("kv_seg"))  # (G * bq, bk), with segments (B, 1, ., .)
     return s, mask, tanh
 
 
-def _keep(options, fixed, blk):
-    """Dropout keep mask of one block, bool (B, Hkv, R, bk): the hash of torchattn.dropout."""
-    return element_bits(fixed["row_keys"], column_keys(blk["cols"])) >= keep_threshold(options.dropout_p)
+def _positions(lay, blk, tile):
+    """Global query index of each row (G * bq, 1) and key index of each column (bk,) of the tile."""
+    return tile["q"] * lay.bq + blk["rows"], tile["kv"] * lay.bk + blk["cols"]
 
 
-def _split_kv(t, dim, lay):
-    """Pads the kv axis ``dim`` of ``t`` to n * bk and moves the block index to the front:
-    (..., Skv, ...) -> (n, ..., bk, ...)."""
-    padding = [0, 0] * (t.dim() - 1 - dim) + [0, lay.n * lay.bk - t.shape[dim]]
+def _keep(lay, options, blk, tile):
+    """Dropout keep mask of one tile, bool (B, Hkv, G * bq, bk): the hash of torchattn.dropout."""
+    _, cols = _positions(lay, blk, tile)
+    return element_bits(blk["row_keys"], column_keys(cols)) >= keep_threshold(options.dropout_p)
+
+
+def _split(t, dim, block, count):
+    """Pads axis ``dim`` of ``t`` to count * block and moves the block index to the front:
+    (..., L, ...) -> (count, ..., block, ...)."""
+    padding = [0, 0] * (t.dim() - 1 - dim) + [0, count * block - t.shape[dim]]
     t = F.pad(t, padding)
-    t = t.view(*t.shape[:dim], lay.n, lay.bk, *t.shape[dim + 1:])
+    t = t.view(*t.shape[:dim], count, block, *t.shape[dim + 1:])
     return t.movedim(dim, 0)
 
 
-def _merge_kv(t, dim, length):
-    """Inverse of :func:`_split_kv`: (n, ..., bk, ...) with bk at ``dim`` -> (..., length, ...)."""
-    t = t.movedim(0, dim - 1)  # (..., n, bk, ...)
+def _merge(t, dim, length):
+    """Inverse of :func:`_split`: (n, ..., block, ...) with block at ``dim`` -> (..., length, ...)."""
+    t = t.movedim(0, dim - 1)  # (..., n, block, ...)
     t = t.reshape(*t.shape[:dim - 1], -1, *t.shape[dim + 1:])
     return t.narrow(dim - 1, 0, length)
 

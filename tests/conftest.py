@@ -80,9 +80,9 @@ def fake_tpu(monkeypatch):
     """
     from torchattn import devices, once
 
-    monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
-    monkeypatch.setattr(devices, "xla_device_kind", lambda device: "TPU v5 lite")
     monkeypatch.setattr(once, "_shown", set())
+    with devices.seen_as_tpu("v5e"):
+        yield
 
 
 def pytest_terminal_summary(terminalreporter):

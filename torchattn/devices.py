@@ -1,4 +1,4 @@
-"""Which kind of device a call runs on: read in this one place (tests fake it here).
+"""Which kind of device a call runs on: read in this one place (tests and compile-only runs fake it here).
 
 Nothing here queries a device at import time, and torch_xla is imported only
 for XLA tensors.
@@ -6,11 +6,36 @@ for XLA tensors.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+# The TPU device kind XLA devices pretend to be inside seen_as_tpu(); None: ask torch_xla.
+_seen_kind: str | None = None
+
+
+@contextlib.contextmanager
+def seen_as_tpu(generation: str):
+    """Inside, torchattn takes every XLA device for one chip of TPU ``generation`` ("v4", "v5e", "v5p", "v6e").
+
+    Tensors stay where they are (XLA:CPU on a machine without a TPU): ``auto`` picks the ``pallas``
+    backend with that generation's block sizes and puts its Mosaic kernels into the graph as
+    ``tpu_custom_call``s, so the graph can be built, read and compiled for the TPU, never run here.
+    """
+    from . import generations
+
+    global _seen_kind
+    previous, _seen_kind = _seen_kind, generations.get(generation).device_kind
+    try:
+        yield
+    finally:
+        _seen_kind = previous
 
 
 def xla_device_type() -> str:
     """torch_xla's runtime device type: "TPU", "CPU", "CUDA", ..."""
+    if _seen_kind is not None:
+        return "TPU"
     import torch_xla.runtime as xr
 
     return xr.device_type()
@@ -36,6 +61,8 @@ def tpu_generation(device: torch.device) -> str | None:
 
 def xla_device_kind(device: torch.device) -> str:
     """What the chip behind an XLA device calls itself: "TPU v5 lite", "TPU v6 lite", ..."""
+    if _seen_kind is not None:
+        return _seen_kind
     import torch_xla.core.xla_model as xm
 
     return xm.xla_device_kind(device)

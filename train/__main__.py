@@ -4,6 +4,7 @@
     python -m train --recipe sotu-lm --max-steps 20   # SmolLM2-135M on State of the Union speeches
     python -m train --output-dir runs/x --resume      # continue an interrupted run
     python -m train --mesh data=2,fsdp=2              # every device of the host(s), torch_xla SPMD
+    python -m train --compile-only v5e                # HBM per TPU chip of one step, compiled here
     python -m train --help                            # every flag
 
 A bad input stops before any training step with one line on stderr and exit status 2.
@@ -43,6 +44,14 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     # torch_xla picks the device: a TPU when libtpu finds one, else XLA:CPU.
     from .data import DataError
     from .models import ModelError
+
+    if config.compile_only is not None:  # plan a TPU job: HBM per chip from the TPU compiler, no training
+        from .compile_only import run
+
+        try:
+            return run(config)
+        except (ConfigError, DataError, ModelError) as error:
+            return _bad_input(error)
     from .metrics import summary_table
     from .trainer import Interrupted, Trainer
 

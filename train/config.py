@@ -27,6 +27,7 @@ SCHEDULES = ("linear", "cosine")
 # the parameters over fsdp, attention heads over model.
 MESH_AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
+MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
 
 
 class ConfigError(ValueError):
@@ -86,6 +87,20 @@ class RunConfig:
     mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
                             "axes data, fsdp (batch and parameters) and model (attention heads), sizes "
                             "multiplying to the device count (default: one device)", default=None)
+    compile_only: str | None = _doc("train nothing: compile one training step (forward, backward, optimizer) for "
+                                    "this TPU topology (v5e, v6e, v5e:2x2, v4:2x2x1, ...; per chip of one replica) "
+                                    "with libtpu's compiler on this machine, print HBM per chip for each attention "
+                                    "implementation and length, and write it as CSV", default=None)
+    compile_lengths: str | None = _doc("sequence lengths --compile-only compiles, comma-separated (default: "
+                                       "--max-length and the powers of two above it up to the model's position "
+                                       f"limit, at most {MAX_COMPILE_LENGTH})", default=None)
+    compile_attn: str | None = _doc("attention implementations --compile-only compares, comma-separated "
+                                    "(default: all of " + ",".join(ATTNS) + ")", default=None)
+    compile_layers: str | None = _doc("two layer counts, e.g. 2,4: --compile-only compiles the model cut to each "
+                                      "and extrapolates HBM linearly to its full depth (faster; marked as "
+                                      "extrapolated)", default=None)
+    compile_report: str | None = _doc("the CSV --compile-only writes (default: hbm-<topology>.csv in --output-dir)",
+                                      default=None)
 
     def __post_init__(self):
         _check_choice("recipe", self.recipe, tuple(RECIPES))
@@ -104,6 +119,18 @@ class RunConfig:
         _check("max_grad_norm", self.max_grad_norm, self.max_grad_norm >= 0, "a number >= 0")
         _check("eval_fraction", self.eval_fraction, 0 < self.eval_fraction < 1, "a fraction in (0, 1)")
         _check("dropout", self.dropout, self.dropout is None or 0 <= self.dropout < 1, "a probability in [0, 1)")
+        if self.compile_lengths is not None:
+            positive_ints("compile_lengths", self.compile_lengths)
+        if self.compile_layers is not None:
+            layers = positive_ints("compile_layers", self.compile_layers)
+            _check("compile_layers", self.compile_layers, len(layers) == 2 and layers[0] != layers[1],
+                   "two different layer counts, e.g. 2,4")
+        if self.compile_attn is not None:
+            for attn in self.compile_attn.split(","):
+                _check("compile_attn", self.compile_attn, attn.strip() in ATTNS,
+                       "implementations from " + ", ".join(ATTNS) + " separated by commas")
+        if self.compile_only is not None and self.mesh is not None:
+            raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
         if self.mesh is not None:
             rows = batch_devices(mesh_axes(self.mesh))
             _check("batch_size", self.batch_size, self.batch_size % rows == 0,
@@ -140,6 +167,14 @@ def mesh_axes(text: str) -> dict[str, int]:
         _check("mesh", text, axis in MESH_AXES and axis not in sizes and size.isdecimal() and int(size) > 0, expected)
         sizes[axis] = int(size)
     return {axis: sizes[axis] for axis in MESH_AXES if axis in sizes}
+
+
+def positive_ints(name: str, text: str) -> list[int]:
+    """A flag's comma-separated positive integers: "2048,8192" -> [2048, 8192]."""
+    parts = [part.strip() for part in text.split(",")]
+    _check(name, text, all(part.isdecimal() and int(part) > 0 for part in parts),
+           "positive integers separated by commas")
+    return [int(part) for part in parts]
 
 
 def batch_devices(axes: dict[str, int]) -> int:

@@ -97,6 +97,34 @@ def _without_gguf(model: transformers.PreTrainedModel, auto_class, implementatio
     return plain
 
 
+def attn_implementation(attn: str) -> str:
+    """transformers' attn_implementation for --attn: torchattn patches a model loaded with sdpa."""
+    return "sdpa" if attn == "torchattn" else attn
+
+
+def model_config(model: str, *, task: str, num_labels: int | None, dropout: float | None = None
+                 ) -> tuple[transformers.PretrainedConfig, str, dict]:
+    """The configuration a run builds ``model`` from, set for ``task`` (``num_labels``; decoder for
+    lm) and ``dropout``; with the folder or hub id and the keyword arguments (a GGUF file) it
+    loads from. Only config.json is read (a folder without weights is enough).
+    Raises ModelError for a missing path or a failed hub load."""
+    where, gguf_file = _locate(model)
+    load = dict(gguf_file=gguf_file) if gguf_file else {}
+    try:
+        config = transformers.AutoConfig.from_pretrained(where, **load)
+    except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
+        raise ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
+                         f"{_first_line(e)}") from e
+    if task == "classification":
+        config.num_labels = num_labels
+    else:
+        # Encoders (BERT, ...) become causal LMs only as decoders; decoder-only models ignore the flag.
+        config.is_decoder = True
+    if dropout is not None:
+        _set_dropout(config, float(dropout))
+    return config, where, load
+
+
 def load_model(model: str, *, task: str, num_labels: int | None, attn: str, backend: str = "auto",
                dropout: float | None = None, dtype: torch.dtype = torch.float32
                ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
@@ -113,6 +141,39 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
     The tokenizer gets a pad token if it has none (its EOS token), and the model config its id.
     Raises ModelError (one line) for a missing path, a model the task cannot use, a failed hub load.
     """
+    check_run_model(task=task, num_labels=num_labels, attn=attn, backend=backend, dropout=dropout)
+    config, where, load = model_config(model, task=task, num_labels=num_labels, dropout=dropout)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
+                         f"{_first_line(e)}") from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds each row's last token by it
+    auto_class = model_class(task)
+    implementation = attn_implementation(attn)
+    try:
+        loaded = auto_class.from_pretrained(where, config=config, dtype=dtype, attn_implementation=implementation,
+                                            **load)
+    except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
+        raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
+                         f"({config.model_type}): {_first_line(e)}") from e
+    if "gguf_file" in load:
+        loaded = _without_gguf(loaded, auto_class, implementation)
+    if dropout is not None:
+        _set_module_dropout(loaded, float(dropout))
+    if attn == "torchattn":
+        import patches
+
+        patches.patch(loaded, backend=backend)
+    return loaded.train(), tokenizer
+
+
+def check_run_model(*, task: str, num_labels: int | None, attn: str, backend: str, dropout: float | None) -> None:
+    """ModelError for a bad --task, --attn/--backend pair, label count or --dropout."""
     if task not in TASKS:
         raise ModelError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
     if attn not in ATTENTION:
@@ -132,42 +193,11 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
     if dropout is not None and (type(dropout) not in (float, int) or not 0.0 <= dropout < 1.0):
         raise ModelError(f"--dropout: expected a probability in [0, 1), got {dropout!r}")
 
-    where, gguf_file = _locate(model)
-    load = dict(gguf_file=gguf_file) if gguf_file else {}
-    auto_class = (transformers.AutoModelForSequenceClassification if task == "classification"
-                  else transformers.AutoModelForCausalLM)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
-        config = transformers.AutoConfig.from_pretrained(where, **load)
-    except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
-        raise ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
-                         f"{_first_line(e)}") from e
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
-        tokenizer.pad_token = tokenizer.eos_token
-    config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds each row's last token by it
-    if task == "classification":
-        config.num_labels = num_labels
-    else:
-        # Encoders (BERT, ...) become causal LMs only as decoders; decoder-only models ignore the flag.
-        config.is_decoder = True
-    if dropout is not None:
-        _set_dropout(config, float(dropout))
-    implementation = "sdpa" if attn == "torchattn" else attn
-    try:
-        loaded = auto_class.from_pretrained(where, config=config, dtype=dtype, attn_implementation=implementation,
-                                            **load)
-    except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
-        raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
-                         f"({config.model_type}): {_first_line(e)}") from e
-    if gguf_file:
-        loaded = _without_gguf(loaded, auto_class, implementation)
-    if dropout is not None:
-        _set_module_dropout(loaded, float(dropout))
-    if attn == "torchattn":
-        patches.patch(loaded, backend=backend)
-    return loaded.train(), tokenizer
+
+def model_class(task: str):
+    """The transformers auto class a task builds its model with."""
+    return (transformers.AutoModelForSequenceClassification if task == "classification"
+            else transformers.AutoModelForCausalLM)
 
 
 def max_positions(config: transformers.PretrainedConfig) -> int | None:

@@ -92,6 +92,42 @@ def classification_scores(predictions: np.ndarray, labels: np.ndarray, num_label
     return {"accuracy": accuracy, "macro_f1": float(np.mean(f1s))}
 
 
+def autocast(config: RunConfig):
+    """--bf16: compute in bfloat16 under autocast; weights, gradients and optimizer state stay float32."""
+    return torch.autocast("xla", dtype=torch.bfloat16, enabled=config.bf16)
+
+
+def micro_batch_gradients(model: torch.nn.Module, inputs: dict[str, torch.Tensor], config: RunConfig
+                          ) -> torch.Tensor:
+    """Forward and backward of one micro-batch already on the device: its gradients, divided by
+    --grad-accum, are added to .grad. Returns the loss, detached (still on the device)."""
+    with autocast(config):
+        loss = model(**inputs).loss
+    (loss / config.grad_accum).backward()
+    return loss.detach()
+
+
+def optimizer_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig,
+                     spmd: Spmd | None = None) -> None:
+    """The optimizer step after the micro-batches: clip, decay, AdamW, zero the gradients in place."""
+    if config.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    if config.weight_decay > 0:
+        # AdamW's decoupled decay, w -= lr * wd * w, before its update as in torch's AdamW.
+        # torch's AdamW multiplies by the Python float 1 - lr * wd instead: late in a
+        # decaying schedule that is float32 1.0, which torch_xla puts into the graph as a
+        # constant, so the step would compile again. A small alpha stays data.
+        decay = -optimizer.param_groups[0]["lr"] * config.weight_decay
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(parameter, alpha=decay)
+    optimizer.step()
+    # Zeroed in place, not set to None: the next micro-batch's graph stays the same.
+    optimizer.zero_grad(set_to_none=False)
+    if spmd is not None:  # the step's outputs keep the parameters' sharding
+        spmd.shard_like_parameters(model, optimizer)
+
+
 class Trainer:
     """One training run. See the module docstring for its lifecycle."""
 
@@ -338,9 +374,6 @@ class Trainer:
             return int(batch["attention_mask"].sum())
         return batch["input_ids"].numel()
 
-    def _autocast(self):
-        return torch.autocast("xla", dtype=torch.bfloat16, enabled=self.config.bf16)
-
     def _micro_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Forward and backward of one micro-batch, gradients added to .grad; returns its loss
         (on the device) and how many graphs that compiled."""
@@ -348,10 +381,7 @@ class Trainer:
 
         def forward_backward():
             inputs = {name: tensor.to(self.device) for name, tensor in batch.items()}
-            with self._autocast():
-                loss = self.model(**inputs).loss
-            (loss / self.config.grad_accum).backward()
-            losses.append(loss.detach())
+            losses.append(micro_batch_gradients(self.model, inputs, self.config))
 
         compiled = self._sync("train", forward_backward, shape=tuple(batch["input_ids"].shape))
         return losses[0], compiled
@@ -360,23 +390,8 @@ class Trainer:
         """Clip, step, schedule, zero the gradients; returns how many graphs that compiled."""
 
         def update():
-            if self.config.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-            if self.config.weight_decay > 0:
-                # AdamW's decoupled decay, w -= lr * wd * w, before its update as in torch's AdamW.
-                # torch's AdamW multiplies by the Python float 1 - lr * wd instead: late in a
-                # decaying schedule that is float32 1.0, which torch_xla puts into the graph as a
-                # constant, so the step would compile again. A small alpha stays data.
-                decay = -self.optimizer.param_groups[0]["lr"] * self.config.weight_decay
-                with torch.no_grad():
-                    for parameter in self.model.parameters():
-                        parameter.add_(parameter, alpha=decay)
-            self.optimizer.step()
+            optimizer_update(self.model, self.optimizer, self.config, self.spmd)
             self.scheduler.step()
-            # Zeroed in place, not set to None: the next micro-batch's graph stays the same.
-            self.optimizer.zero_grad(set_to_none=False)
-            if self.spmd is not None:  # the step's outputs keep the parameters' sharding
-                self.spmd.shard_like_parameters(self.model, self.optimizer)
 
         return self._sync("optimizer", update)
 
@@ -435,7 +450,7 @@ class Trainer:
         # CPU batch holds only this host's rows.
         for batch, inputs in self._placed(itertools.islice(self.eval_loader.epoch(0), self.config.eval_batches)):
             inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
-            with self._autocast():
+            with autocast(self.config):
                 output = self.model(**inputs)
             if self.config.task == "classification":
                 outputs.append(output.logits.argmax(dim=-1))

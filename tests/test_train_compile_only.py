@@ -1,0 +1,98 @@
+"""python -m train --compile-only: one training step of a tiny Llama compiled for TPU v5e by libtpu's
+compiler, with torchattn (its pallas kernels as tpu_custom_calls) and with eager attention."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+pytest.importorskip("torch_xla")
+pytest.importorskip("libtpu")
+
+import torch_xla.debug.metrics as met  # noqa: E402
+
+from train import compile_only  # noqa: E402
+from train.__main__ import main  # noqa: E402
+
+GiB = 1 << 30
+# 4 heads x 2048 x 2048 float32 scores (64 MiB) per layer dwarf the tiny Llama's other activations (hidden
+# size 32), and exceed what the compiler keeps in VMEM instead of HBM: eager's temporaries must exceed
+# torchattn's by at least one layer's scores. (Rotary positions: no table limits the length.)
+LENGTH = 2048
+
+
+def _flags(llama, report, *more):
+    return ["--model", llama, "--task", "lm", "--batch-size", "1", "--max-length", "512",
+            "--compile-report", str(report), *more]
+
+
+@pytest.mark.slow
+def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(llama, tmp_path, capsys):
+    report = tmp_path / "hbm.csv"
+    executed = met.metric_data("ExecuteTime")
+    before = executed[0] if executed else 0
+
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", str(LENGTH),
+                         "--compile-attn", "torchattn,eager", "--output-dir", str(tmp_path / "run")))
+
+    assert status == 0
+    printed = capsys.readouterr().out
+    assert "largest length that fits in v5e's 16.00 GiB" in printed
+    rows = {row["attn"]: row for row in csv.DictReader(report.open())}
+    assert set(rows) == {"torchattn", "eager"}
+    torchattn, eager = rows["torchattn"], rows["eager"]
+    assert torchattn["fits"] == eager["fits"] == "True"
+    # Forward, dq and dk/dv kernels per layer (2 layers) reached the compiler; eager has none.
+    assert int(torchattn["tpu_custom_calls"]) >= 6 and int(eager["tpu_custom_calls"]) == 0
+    for row in rows.values():
+        assert int(row["argument_bytes"]) > 0 and int(row["output_bytes"]) > 0  # the loss at least
+        assert int(row["total_bytes"]) >= int(row["argument_bytes"]) + int(row["temp_bytes"])
+    # The same parameters and optimizer state (eager adds a few scalars).
+    assert abs(int(torchattn["argument_bytes"]) - int(eager["argument_bytes"])) < 4096
+    assert int(eager["temp_bytes"]) > int(torchattn["temp_bytes"]) + 4 * LENGTH * LENGTH * 4
+    # The step never ran: its parameters are placeholders without a buffer. What may run is
+    # transformers' look at the packed batch's position ids, one small graph per traced step.
+    executed = met.metric_data("ExecuteTime")
+    assert (executed[0] if executed else 0) - before <= 2
+
+
+@pytest.mark.parametrize("topology, named", [("v9z", "v9z"), ("v5e:3x7", "v5e:3x7")])
+def test_bad_topology_is_one_line_naming_the_flag(llama, tmp_path, capsys, topology, named):
+    status = main(_flags(llama, tmp_path / "hbm.csv", "--compile-only", topology))
+    error = capsys.readouterr().err
+    assert status == 2
+    assert error.startswith("python -m train: error: --compile-only:") and named in error
+    assert error.count("\n") == 1
+    assert not (tmp_path / "hbm.csv").exists()
+
+
+def test_refusal_reports_the_bytes_the_compiler_needed(monkeypatch):
+    import torchattn.aot
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
+                           "space hbm. Used 19.50G of 15.75G hbm. Exceeded hbm capacity by 3.75G.")
+
+    monkeypatch.setattr(torchattn.aot, "compile_stablehlo", refuse)
+    target = compile_only.Target("v5e", "v5e", 1)
+    row = compile_only.compile_row("custom_call @tpu_custom_call(", 0, target, "eager", 32768)
+    assert not row.fits and row.total_bytes == int(19.5 * GiB)
+    assert "does not fit (needs 19.50)" in compile_only.table([row], target)
+
+
+def test_extrapolation_is_linear_per_layer_and_judged_against_the_chip():
+    two = compile_only.Row("sdpa", 2048, True, argument_bytes=10, temp_bytes=4, output_bytes=1, total_bytes=15)
+    four = compile_only.Row("sdpa", 2048, True, argument_bytes=14, temp_bytes=6, output_bytes=1, total_bytes=21)
+    thirty = compile_only.extrapolate((two, four), (2, 4), 30, capacity=100)
+    assert (thirty.argument_bytes, thirty.temp_bytes, thirty.total_bytes) == (66, 32, 99)
+    assert thirty.fits and thirty.layers == 30 and thirty.extrapolated_from == "2,4"
+    assert not compile_only.extrapolate((two, four), (2, 4), 30, capacity=98).fits
+
+
+def test_default_lengths_are_max_length_then_powers_of_two_to_the_position_limit():
+    from train.config import parse_args
+
+    config = parse_args(["--max-length", "2048", "--compile-only", "v5e"])
+    assert compile_only.lengths(config, 8192) == [2048, 4096, 8192]
+    assert compile_only.lengths(config, None)[-1] == 32768

@@ -1,0 +1,342 @@
+"""python -m train --compile-only TOPOLOGY: HBM per TPU chip of one training step, from the TPU compiler.
+
+    python -m train --recipe sotu-lm --bf16 --compile-only v5e --compile-lengths 2048,8192,32768
+
+For each attention implementation (--compile-attn, default all three) and sequence length
+(--compile-lengths) this builds the run's model, patched as the run patches it, and traces one
+training step on XLA:CPU with the trainer's own code (train/trainer.py: a micro-batch's forward and
+backward, then the optimizer update with clipping and weight decay) while torchattn sees the target
+TPU generation (torchattn.devices.seen_as_tpu: ``auto`` picks the ``pallas`` backend with that
+generation's block sizes, its kernels enter the graph as ``tpu_custom_call``s). The graph's StableHLO
+(loss, updated parameters, gradients and AdamW state) goes to libtpu's compile-only client
+(torchattn.aot.compile_stablehlo), which allocates TPU HBM for it or says it does not fit.
+
+Nothing of the step runs and no weight exists: parameters, gradients and optimizer moments are
+torch_xla placeholders (graph arguments without a buffer), so a billion-parameter model traces in
+little host memory. Only the synthetic batch is real data (transformers reads the position ids of a
+packed LM batch on the host, as in a real run). Its rows have the run's --batch-size and the
+trainer's columns; an LM row packs two documents.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import dataclasses
+import gc
+import importlib.util
+import os
+import re
+import tempfile
+import time
+
+import torch
+
+from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, positive_ints
+
+GiB = 1 << 30
+# HBM per chip, Google Cloud's published figures (torchattn.generations has no such column).
+HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
+# The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
+_HBM_EXHAUSTED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The TPU the step is compiled for: a topology libtpu knows and the generation of its chips."""
+
+    topology: str
+    generation: str
+    chips: int
+
+
+@dataclasses.dataclass
+class Row:
+    """One attention implementation at one length, as the compiler saw it (bytes per chip)."""
+
+    attn: str
+    length: int
+    fits: bool
+    argument_bytes: int = 0
+    temp_bytes: int = 0
+    output_bytes: int = 0  # outputs that do not overwrite an argument in place (torch_xla donates those)
+    total_bytes: int = 0  # needed bytes when the compiler refused
+    compile_s: float = 0.0
+    tpu_custom_calls: int = 0
+    error: str = ""
+    layers: int = 0
+    extrapolated_from: str = ""  # "2,4": bytes extrapolated linearly from those layer counts, not compiled
+
+
+def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capacity: int) -> Row:
+    """The row at ``layers`` from rows compiled at the two layer counts ``cuts``, linearly per layer;
+    it fits if both compiled and the extrapolated total is within ``capacity`` bytes."""
+    (low, high), (a, b) = rows, cuts
+
+    def at(name: str) -> int:
+        return round(getattr(low, name) + (getattr(high, name) - getattr(low, name)) * (layers - a) / (b - a))
+
+    compiled = low.fits and high.fits
+    sized = compiled or bool(low.total_bytes and high.total_bytes)  # compiled, or refused with the bytes needed
+    total = at("total_bytes") if sized else 0
+    return dataclasses.replace(
+        low, fits=compiled and total <= capacity, argument_bytes=at("argument_bytes") if compiled else 0,
+        temp_bytes=at("temp_bytes") if compiled else 0, output_bytes=at("output_bytes") if compiled else 0,
+        total_bytes=total, compile_s=low.compile_s + high.compile_s, tpu_custom_calls=at("tpu_custom_calls"),
+        error="" if compiled else (high.error or low.error), layers=layers, extrapolated_from=f"{a},{b}")
+
+
+def resolve_target(name: str) -> Target:
+    """--compile-only's topology: "v5e" (one chip), "v5e:2x2", "v4:2x2x1", ... ConfigError if libtpu is
+    missing or does not know the name."""
+    from torchattn import generations
+
+    if importlib.util.find_spec("libtpu") is None:
+        raise ConfigError("--compile-only: needs libtpu (the TPU compiler), which is not installed; "
+                          "`pip install -e .[dev]` (or the tpu extra) installs libtpu==0.0.21")
+    generation, _, shape = name.partition(":")
+    if generation not in generations.GENERATIONS:
+        raise ConfigError(f"--compile-only: expected a TPU topology such as v5e, v6e, v5e:2x2 or v4:2x2x1 "
+                          f"(generations {', '.join(generations.GENERATIONS)}), got {name!r}")
+    if not shape:
+        return Target(name, generation, 1)
+    from jax.experimental import topologies
+    from torchattn.aot import compiler
+
+    compiler.slice_devices(generation)  # sets libtpu's environment for a compile-only client
+    try:
+        devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
+    except Exception as error:  # jax's XlaRuntimeError: libtpu's own words
+        detail = str(error).strip().splitlines()[0]
+        raise ConfigError(f"--compile-only: libtpu does not know the topology {name!r}: {detail}") from None
+    return Target(name, generation, len(devices))
+
+
+def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
+    """--compile-lengths, or --max-length and the powers of two above it up to the position limit."""
+    if config.compile_lengths is not None:
+        return sorted(set(positive_ints("compile_lengths", config.compile_lengths)))
+    top = min(position_limit or MAX_COMPILE_LENGTH, MAX_COMPILE_LENGTH)
+    found, length = [config.max_length], 1 << config.max_length.bit_length()
+    while length <= top:
+        found.append(length)
+        length *= 2
+    return found
+
+
+def synthetic_batch(config: RunConfig, vocab_size: int, length: int) -> dict[str, torch.Tensor]:
+    """A batch with the trainer's columns and shapes (train/data.py's BatchLoader), random tokens."""
+    rows = config.batch_size
+    input_ids = torch.randint(0, vocab_size, (rows, length))  # (B, L)
+    if config.task == "classification":
+        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
+                "labels": torch.zeros(rows, dtype=torch.int64)}  # (B,)
+    first = length // 2  # two packed documents: positions restart at the second
+    positions = torch.cat([torch.arange(first), torch.arange(length - first)]).expand(rows, length)  # (B, L)
+    labels = input_ids.clone()
+    labels[:, [0, first]] = -100  # a document's first token predicts nothing
+    return {"input_ids": input_ids, "position_ids": positions.clone(), "labels": labels}
+
+
+def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
+    """A graph argument of the tensor's shape and dtype that holds no buffer (reading it would abort)."""
+    import torch_xla.core.xla_builder as xb
+
+    return xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+
+
+def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
+    """The run's model without weights: parameters are placeholders on the XLA device."""
+    import torch_xla
+    from accelerate import init_empty_weights
+
+    from . import models
+
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
+        model = models.model_class(config.task).from_config(
+            model_config, attn_implementation=models.attn_implementation(attn))
+    model.tie_weights()  # as from_pretrained does; empty weights come untied (tied embeddings: one parameter)
+    if attn == "torchattn":
+        import patches
+
+        patches.patch(model, backend=config.backend)
+    if config.grad_checkpointing:
+        from .recompute import enable_activation_checkpointing
+
+        enable_activation_checkpointing(model)
+    placed = {}  # id of a meta parameter -> its placeholder parameter; tied weights stay tied
+    for module in model.modules():
+        for name, parameter in list(module.named_parameters(recurse=False)):
+            if id(parameter) not in placed:
+                placed[id(parameter)] = torch.nn.Parameter(_placeholder(parameter), parameter.requires_grad)
+            module.register_parameter(name, placed[id(parameter)])
+    return model.to(torch_xla.device()).train()  # moves the buffers
+
+
+def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Gives the model and optimizer the state a run has after its first step (gradients kept as
+    buffers, AdamW's moments), all placeholders: graph arguments, as on the device."""
+    for parameter in model.parameters():
+        parameter.grad = _placeholder(parameter)
+    optimizer.step()  # traced, never run: creates the moments with their shapes
+    for parameter in model.parameters():
+        parameter.data = _placeholder(parameter)
+        parameter.grad = _placeholder(parameter)
+    for moments in optimizer.state.values():
+        for key, value in moments.items():
+            if value.device.type == "xla":
+                moments[key] = _placeholder(value)
+
+
+def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple[str, int]:
+    """StableHLO of one training step, and the bytes of its outputs that overwrite an argument.
+
+    The tensors die with this frame, unmaterialised: a later sync must not try to run them.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    from .trainer import micro_batch_gradients, optimizer_update
+
+    model = _empty_model(model_config, config, attn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)  # as the trainer's
+    _steady_state(model, optimizer)
+    text_config = model_config.get_text_config()
+    batch = synthetic_batch(config, text_config.vocab_size, length)
+    inputs = {name: tensor.to(torch_xla.device()) for name, tensor in batch.items()}
+    loss = micro_batch_gradients(model, inputs, config)
+    optimizer_update(model, optimizer, config)
+    # After the update the same Python objects hold the new values: the arguments they overwrite.
+    updated = [t for t in (*model.parameters(), *(p.grad for p in model.parameters()),
+                           *(v for moments in optimizer.state.values() for v in moments.values()))
+               if t.device.type == "xla"]
+    donated = sum(t.numel() * t.element_size() for t in updated)
+    return xm.get_stablehlo([loss, *updated]), donated
+
+
+def compile_row(text: str, donated: int, target: Target, attn: str, length: int) -> Row:
+    """The compiler's HBM figures for one step graph, or its refusal with the bytes it needed."""
+    from torchattn.aot import compile_stablehlo
+
+    calls = len(re.findall(r"custom_call @tpu_custom_call\b", text))
+    started = time.perf_counter()
+    try:
+        compiled = compile_stablehlo(text, target.generation, f"train step {attn} {length}")
+    except Exception as error:  # jax's XlaRuntimeError: the compiler's own message
+        seconds = time.perf_counter() - started
+        message = " ".join(str(error).split())
+        needed = _HBM_EXHAUSTED.search(message)
+        if needed is None:
+            return Row(attn, length, False, compile_s=seconds, tpu_custom_calls=calls, error=message[:300])
+        total = int(float(needed.group(1)) * _UNITS[needed.group(2)])
+        return Row(attn, length, False, total_bytes=total, compile_s=seconds, tpu_custom_calls=calls,
+                   error="does not fit")
+    fresh_outputs = max(compiled.output_bytes - donated, 0)
+    return Row(attn, length, True, argument_bytes=compiled.argument_bytes, temp_bytes=compiled.temp_bytes,
+               output_bytes=fresh_outputs,
+               total_bytes=compiled.argument_bytes + compiled.temp_bytes + fresh_outputs,
+               compile_s=compiled.seconds, tpu_custom_calls=calls)
+
+
+def _compiled(model_config, config: RunConfig, target: Target, attn: str, length: int, layers: int) -> Row:
+    text, donated = step_graph(model_config, config, attn, length)
+    gc.collect()  # the traced step's tensors, before anything else may sync
+    return dataclasses.replace(compile_row(text, donated, target, attn, length), layers=layers)
+
+
+def _cut(model_config, layers: int):
+    """The model's configuration with only its first ``layers`` layers."""
+    cut = copy.deepcopy(model_config)
+    cut.get_text_config().num_hidden_layers = layers
+    return cut
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def table(rows: list[Row], target: Target) -> str:
+    """Rows per implementation and length, then the largest length that fits per implementation."""
+    lines = [f"{'attn':<10} {'length':>7} {'args_GiB':>9} {'temp_GiB':>9} {'out_GiB':>8} {'total_GiB':>10} "
+             f"{'fits':<28} {'compile_s':>9} {'tpu_calls':>9} layers"]
+    for row in rows:
+        if row.fits:
+            verdict = "yes"
+        elif row.total_bytes:
+            verdict = f"does not fit (needs {_gib(row.total_bytes)})"
+        elif row.error.startswith("not compiled"):
+            verdict = row.error
+        else:
+            verdict = "error: " + row.error
+        sizes = [_gib(n) if row.fits else "-" for n in (row.argument_bytes, row.temp_bytes, row.output_bytes)]
+        total = _gib(row.total_bytes) if row.total_bytes else "-"
+        lines.append(f"{row.attn:<10} {row.length:>7} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>8} {total:>10} "
+                     f"{verdict:<28} {row.compile_s:>9.1f} {row.tpu_custom_calls:>9} {row.layers}"
+                     + (f" (extrapolated from {row.extrapolated_from})" if row.extrapolated_from else ""))
+    lines.append(f"largest length that fits in {target.generation}'s {_gib(HBM_BYTES[target.generation])} GiB "
+                 "of HBM, of those compiled:")
+    for attn in dict.fromkeys(row.attn for row in rows):
+        fitting = [row.length for row in rows if row.attn == attn and row.fits]
+        lines.append(f"  {attn:<10} {max(fitting) if fitting else 'none'}")
+    return "\n".join(lines)
+
+
+def write_csv(rows: list[Row], target: Target, path: str) -> None:
+    """The rows as CSV, written to a temporary file and renamed into place."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fields = [f.name for f in dataclasses.fields(Row)]
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".partial", delete=False, newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["topology", "generation", "hbm_bytes_per_chip", *fields])
+        for row in rows:
+            writer.writerow([target.topology, target.generation, HBM_BYTES[target.generation],
+                             *(getattr(row, name) for name in fields)])
+    os.replace(f.name, path)
+
+
+def run(config: RunConfig) -> int:
+    """Compiles the step for every implementation and length, prints the table, writes the CSV."""
+    from torchattn import devices
+
+    from . import data, models
+
+    target = resolve_target(config.compile_only)
+    attns = [a.strip() for a in config.compile_attn.split(",")] if config.compile_attn else list(ATTNS)
+    num_labels = None
+    if config.task == "classification":  # the head's size: the dataset's labels
+        splits = data.load_splits(config.dataset, task=config.task, text_column=config.text_column,
+                                  label_column=config.label_column, eval_fraction=config.eval_fraction,
+                                  seed=config.seed)
+        num_labels = len(splits["train"].features["label"].names)
+    for attn in attns:
+        models.check_run_model(task=config.task, num_labels=num_labels, attn=attn,
+                               backend=config.backend if attn == "torchattn" else "auto", dropout=config.dropout)
+    model_config, _, _ = models.model_config(config.model, task=config.task, num_labels=num_labels,
+                                             dropout=config.dropout)
+    sizes = lengths(config, models.max_positions(model_config))
+    config = config.with_output_dir()
+    path = config.compile_report or os.path.join(config.output_dir, f"hbm-{target.topology.replace(':', '-')}.csv")
+    print(f"compile-only: {config.model} ({config.task}), batch {config.batch_size}, "
+          f"{'bf16 autocast' if config.bf16 else 'float32'}, AdamW float32; one chip of {target.topology} "
+          f"({target.chips} chip{'s' if target.chips > 1 else ''}), libtpu's compiler", flush=True)
+    print(table([], target).splitlines()[0], flush=True)
+    rows = []
+    layers = model_config.get_text_config().num_hidden_layers
+    cuts = tuple(positive_ints("compile_layers", config.compile_layers)) if config.compile_layers else None
+    with devices.seen_as_tpu(target.generation):
+        for attn in attns:
+            for length in sizes:
+                if rows and rows[-1].attn == attn and not rows[-1].fits:  # longer ones cannot fit either
+                    rows.append(Row(attn, length, False, error=f"not compiled: {rows[-1].length} does not fit"))
+                elif cuts is None:
+                    rows.append(_compiled(model_config, config, target, attn, length, layers))
+                else:
+                    pair = tuple(_compiled(_cut(model_config, n), config, target, attn, length, n) for n in cuts)
+                    rows.append(extrapolate(pair, cuts, layers, HBM_BYTES[target.generation]))
+                print(table(rows[-1:], target).splitlines()[1], flush=True)
+    print(table(rows, target))
+    write_csv(rows, target, path)
+    print(f"written: {path}")
+    return 0

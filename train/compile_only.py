@@ -16,6 +16,12 @@ torch_xla placeholders (graph arguments without a buffer), so a billion-paramete
 little host memory. Only the synthetic batch is real data (transformers reads the position ids of a
 packed LM batch on the host, as in a real run). Its rows have the run's --batch-size and the
 trainer's columns; an LM row packs two documents.
+
+HBM per chip is what the compiler allocates: arguments (parameters, gradients, AdamW moments, the
+batch), temporaries (activations kept for the backward pass, workspaces; small ones may live in VMEM
+instead) and the outputs that do not overwrite an argument (torch_xla donates the buffers of state
+updated in place). The step holds one micro-batch: --grad-accum adds time, not memory. A multi-chip
+topology is compiled per chip for one replica of the step (data parallelism); --mesh is not supported yet.
 """
 
 from __future__ import annotations
@@ -336,7 +342,7 @@ def run(config: RunConfig) -> int:
                     pair = tuple(_compiled(_cut(model_config, n), config, target, attn, length, n) for n in cuts)
                     rows.append(extrapolate(pair, cuts, layers, HBM_BYTES[target.generation]))
                 print(table(rows[-1:], target).splitlines()[1], flush=True)
+                write_csv(rows, target, path)  # after every row: an interrupted sweep keeps what it compiled
     print(table(rows, target))
-    write_csv(rows, target, path)
     print(f"written: {path}")
     return 0

@@ -39,6 +39,12 @@ def _xla_runtime_first():
     torch_xla.device()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_tuned_block_sizes(tmp_path_factory):
+    """flash_attention would use block sizes a developer tuned (~/.cache/torchattn): never in tests."""
+    os.environ["TORCHATTN_TUNE_CACHE"] = str(tmp_path_factory.mktemp("tune") / "block_sizes.json")
+
+
 @pytest.fixture(scope="session")
 def device():
     """The XLA device (XLA:CPU here) for tests that need torch_xla."""

@@ -30,6 +30,58 @@ def test_compilation_after_warm_up_is_a_warning_naming_the_shape(monkeypatch, ca
     assert watch.shapes("train") == {(16, 128), (16, 64)}
 
 
+def test_jax_traces_after_warm_up_are_counted_and_warned(monkeypatch, caplog):
+    traces = iter([0, 5, 5, 5, 7])  # torchattn's JAX traces + lowerings after each graph
+    monkeypatch.setattr(guards, "compile_count", lambda: 0)
+    monkeypatch.setattr(guards, "jax_trace_count", lambda: next(traces))
+    watch = guards.CompileWatch()
+    with caplog.at_level(logging.WARNING, logger="train"):
+        for step in (1, 2, 3):  # warm-up traces the kernels; the third run traces nothing
+            watch.after("train", (4, 512), step=step)
+        assert watch.jax_traces_after_warmup == 0 and not caplog.records
+        watch.after("train", (4, 512), step=4)
+    assert watch.jax_traces_after_warmup == 2
+    [record] = caplog.records
+    assert "JAX trace" in record.getMessage() and "step 4" in record.getMessage()
+
+
+def test_jax_trace_count_reads_torchattn_counters():
+    import torchattn.counters
+
+    before = guards.jax_trace_count()
+    torchattn.counters.count("jax_traces")
+    torchattn.counters.count("jax_lowerings")
+    torchattn.counters.count("body_traces")  # not JAX
+    assert guards.jax_trace_count() == before + 2
+
+
+def test_tracing_timer_keeps_steady_steps_only(monkeypatch):
+    # perf_counter, thread_time at each measure's start, then at its end
+    clock = iter([10.0, 1.0, 10.5, 1.25, 20.0, 2.0, 22.0, 3.0, 30.0, 4.0, 30.25, 4.125])
+    monkeypatch.setattr(guards.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(guards.time, "thread_time", lambda: next(clock))
+    timer = guards.TracingTimer()
+    assert timer.summary() == {"tracing_s_per_step": None, "tracing_cpu_s_per_step": None}
+    with timer.measure():  # a step that compiled: dropped
+        pass
+    timer.step_done(steady=False)
+    with timer.measure():  # a steady step of two graphs (micro-batch, optimizer): both count
+        pass
+    with timer.measure():
+        pass
+    timer.step_done(steady=True)
+    assert timer.steps == [(2.25, 1.125)]
+    assert timer.summary() == {"tracing_s_per_step": 2.25, "tracing_cpu_s_per_step": 1.125}
+
+
+def test_summary_table_shows_jax_traces_and_tracing_time():
+    summary = {"tokens_per_s": 100.0, "compiles_warmup": 4, "compiles_after_warmup": 0,
+               "jax_traces_after_warmup": 0, "tracing_s_per_step": 0.25, "tracing_cpu_s_per_step": 0.125,
+               "peak_host_bytes": 2**30, "peak_device_bytes": None, "model_dir": "m", "checkpoints": "c"}
+    text = metrics.summary_table(summary)
+    assert "jax traces after warm-up" in text and "0.250 s (0.125 s CPU)" in text
+
+
 def test_memory_growth_after_the_first_reading_is_a_probable_leak(monkeypatch, caplog):
     watch = guards.MemoryWatch(device=None, threshold=0.2)
     readings = iter([{"host_rss": 1000}, {"host_rss": 1150}, {"host_rss": 1300}, {"host_rss": 1400}])

@@ -55,8 +55,8 @@ _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, 
     schema="(Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? kv_segment_ids, Tensor? bias, "
            f"Tensor? dropout_key, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
 def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
-    return internals.functionalized(IMPLEMENTATIONS[impl][0], q, k, v, segment_ids, kv_segment_ids, bias, dropout_key,
-                                    Options.from_op_arguments(options))
+    return internals.traced_once("torchattn::attention_forward", IMPLEMENTATIONS[impl][0], impl, q, k, v,
+                                 segment_ids, kv_segment_ids, bias, dropout_key, Options.from_op_arguments(options))
 
 
 @attention_forward.register_fake
@@ -71,9 +71,9 @@ def _(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
 def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, impl, bias_grad,
                        *options):
-    dq, dk, dv, dbias = internals.functionalized(IMPLEMENTATIONS[impl][1], do, dlse, q, k, v, out, lse, segment_ids,
-                                                 kv_segment_ids, bias, dropout_key, Options.from_op_arguments(options),
-                                                 bias_grad)
+    dq, dk, dv, dbias = internals.traced_once("torchattn::attention_backward", IMPLEMENTATIONS[impl][1], impl, do,
+                                              dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key,
+                                              Options.from_op_arguments(options), bias_grad)
     # custom ops cannot return None: an empty tensor stands for "no bias gradient".
     return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
 

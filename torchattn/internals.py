@@ -13,6 +13,8 @@ import functools
 
 import torch
 
+from . import counters
+
 _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int32: "int32"}
 
 
@@ -39,6 +41,7 @@ def mosaic_payload(fn, signature) -> str:
     # without libtpu (a CPU machine building the graph) does not load by itself.
     import jax._src.pallas.mosaic.pallas_call_registration  # noqa: F401
 
+    counters.count("jax_lowerings")
     structs = [jax.ShapeDtypeStruct(shape, _jax_dtype(dtype)) for shape, dtype in signature]
     with pinned_mosaic_version():
         module = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compiler_ir()
@@ -140,6 +143,76 @@ def functionalized(fn, *args):
             if t is not None:
                 torch._sync(t)
         return tuple(torch._from_functional_tensor(t) if t is not None else None for t in outs)
+
+
+# Bodies traced once per static signature, keyed by what the caller says determines the
+# trace (shapes, dtypes and options); value: :class:`_TracedBody`, or None for a body that
+# cannot be replayed (it draws from torch_xla's RNG, whose seed must change every call).
+_TRACED: dict = {}
+
+
+class _TracedBody:
+    """A traced body as one XLA computation: its parameters are argument positions (int)
+    or the constants the trace created as device data (tensor); ``nones`` marks the
+    outputs that were None."""
+
+    def __init__(self, name, computation, parameters, nones):
+        self.name, self.computation, self.parameters, self.nones = name, computation, parameters, nones
+
+    def __call__(self, args):
+        import torch_xla
+        import torch_xla.debug.profiler as xp
+
+        inputs = [args[p] if isinstance(p, int) else p for p in self.parameters]
+        # A named host scope per call, as the traced body had: "torchattn::x" shows as "torchattn.x".
+        with xp.Trace(self.name.replace("::", ".")):
+            outs = iter(torch_xla._XLAC._xla_user_computation(self.name, inputs, self.computation))
+        return tuple(None if none else next(outs) for none in self.nones)
+
+
+def traced_once(name, fn, key, *args):
+    """``functionalized(fn, *args)``, traced once per ``key`` and signature: for a custom op's
+    implementation, whose XLA tensor arguments arrive unwrapped from functionalization.
+
+    The blockwise bodies take about as long to trace as the rest of a transformer layer
+    (the ``xla`` backend's loop is staged out by torch_xla's scan on every call): the first
+    call with a signature traces ``fn`` on placeholder tensors and lowers the graph to one
+    XLA computation; every call then adds that computation to the graph as a single node,
+    with no Python in between. ``fn`` must be a pure function of its tensor arguments and
+    of ``key`` plus the non-tensor arguments (all hashable), which complete the cache key.
+    The placeholder-and-lowering path is torch_xla's own for staging out a computation
+    (``torch_xla.experimental.scan`` builds its loop body the same way).
+    """
+    if args[0].device.type != "xla":
+        return fn(*args)
+    signature = (name, key, args[0].device) + tuple(
+        (tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+    if signature not in _TRACED:
+        _TRACED[signature] = _trace(name, fn, args)
+    body = _TRACED[signature]
+    return functionalized(fn, *args) if body is None else body(args)
+
+
+def _trace(name, fn, args):
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+
+    counters.count("body_traces")
+    placeholders = [xb.create_placeholder_tensor(a.shape, a.dtype) if isinstance(a, torch.Tensor) else a
+                    for a in args]
+    outs = functionalized(fn, *placeholders)
+    present = [t for t in outs if t is not None]
+    seed_ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(present)
+    if torch_xla._XLAC._get_seed_info_id() in seed_ids:
+        return None
+    context = torch_xla._XLAC.lowering.LoweringContext(name)
+    context.build(present)
+    by_id = context.device_parameter_id_tensor_mapping()  # every parameter: placeholders and constants
+    for position, placeholder in enumerate(placeholders):
+        if isinstance(placeholder, torch.Tensor) and context.tensor_parameter_id(placeholder) != -1:
+            by_id[context.tensor_parameter_id(placeholder)] = position
+    computation = xb.computation_from_module_proto(name, context.hlo())
+    return _TracedBody(name, computation, [by_id[i] for i in range(len(by_id))], [t is None for t in outs])
 
 
 def scan(step, init, xs):

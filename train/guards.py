@@ -3,8 +3,10 @@ compiling after warm-up, and memory that grows epoch after epoch."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
+import time
 
 log = logging.getLogger("train")
 
@@ -15,6 +17,14 @@ def compile_count() -> int:
 
     data = met.metric_data("CompileTime")
     return data[0] if data else 0
+
+
+def jax_trace_count() -> int:
+    """How many times torchattn's kernels were traced or lowered by JAX in this process so far."""
+    import torchattn.counters
+
+    counts = torchattn.counters.snapshot()
+    return counts["jax_traces"] + counts["jax_lowerings"]
 
 
 class CompileWatch:
@@ -32,22 +42,31 @@ class CompileWatch:
     def __init__(self):
         self.warmup = 0
         self.after_warmup = 0
+        self.jax_traces_after_warmup = 0
         self._calls: dict[tuple, int] = {}
         self._last = compile_count()
+        self._last_jax = jax_trace_count()
 
     def after(self, kind: str, shape: tuple[int, ...], step: int) -> int:
         """Call after each synced graph of ``kind`` (e.g. "train", "optimizer", "eval") ran;
-        returns how many graphs it compiled."""
-        now = compile_count()
+        returns how many graphs it compiled. JAX traces and lowerings by torchattn's kernels
+        (torchattn.counters) are watched the same way: none may happen after warm-up."""
+        now, jax_now = compile_count(), jax_trace_count()
         new, self._last = now - self._last, now
+        new_jax, self._last_jax = jax_now - self._last_jax, jax_now
         key = (kind, shape)
         calls = self._calls[key] = self._calls.get(key, 0) + 1
         if calls <= self.WARM_CALLS:
             self.warmup += new
-        elif new:
+            return new
+        if new:
             self.after_warmup += new
             log.warning("warning: %d XLA compilation(s) after warm-up at step %d (%s graph, batch shape %s): "
                         "a shape or constant changes between steps", new, step, kind, shape)
+        if new_jax:
+            self.jax_traces_after_warmup += new_jax
+            log.warning("warning: %d JAX trace(s) or lowering(s) of torchattn kernels after warm-up at step %d "
+                        "(%s graph, batch shape %s)", new_jax, step, kind, shape)
         return new
 
     def shapes(self, kind: str) -> set[tuple[int, ...]]:
@@ -121,3 +140,39 @@ class MemoryWatch:
         if not device:
             return None
         return int(device.get("peak_bytes_used", device.get("bytes_used", 0))) or None
+
+
+class TracingTimer:
+    """Host time spent tracing: running a step's Python and building its lazy graph, up to the
+    ``torch_xla.sync()`` that hands the graph to the device (on a TPU, time the chip waits).
+
+    ``measure()`` wraps the work before each sync; ``step_done()`` closes an optimizer step,
+    kept when it compiled nothing (steady state). Wall time, and the CPU time of the tracing
+    thread, which other processes on a busy machine do not inflate.
+    """
+
+    def __init__(self):
+        self._pending = [0.0, 0.0]  # wall, cpu seconds of the step in flight
+        self.steps: list[tuple[float, float]] = []  # (wall, cpu) of each steady step
+
+    @contextlib.contextmanager
+    def measure(self):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self._pending[0] += time.perf_counter() - wall
+            self._pending[1] += time.thread_time() - cpu
+
+    def step_done(self, steady: bool) -> None:
+        if steady:
+            self.steps.append(tuple(self._pending))
+        self._pending[:] = [0.0, 0.0]
+
+    def summary(self) -> dict:
+        """Median seconds per steady step: ``tracing_s_per_step`` (wall), ``tracing_cpu_s_per_step``;
+        None before any steady step."""
+        if not self.steps:
+            return {"tracing_s_per_step": None, "tracing_cpu_s_per_step": None}
+        wall, cpu = (sorted(values)[len(values) // 2] for values in zip(*self.steps))
+        return {"tracing_s_per_step": wall, "tracing_cpu_s_per_step": cpu}

@@ -134,6 +134,13 @@ def summary_table(summary: dict) -> str:
     rows += [
         ("tokens/s (after warm-up)", f"{tokens:,.0f}" if tokens else "n/a (no step after warm-up)"),
         ("compilations: warm-up / after", f"{summary['compiles_warmup']} / {summary['compiles_after_warmup']}"),
+    ]
+    if "jax_traces_after_warmup" in summary:
+        rows.append(("jax traces after warm-up", str(summary["jax_traces_after_warmup"])))
+    if summary.get("tracing_s_per_step") is not None:
+        rows.append(("host tracing per step", f"{summary['tracing_s_per_step']:.3f} s "
+                                              f"({summary['tracing_cpu_s_per_step']:.3f} s CPU)"))
+    rows += [
         ("peak host memory (RSS)", format_bytes(summary["peak_host_bytes"])),
         ("peak device memory", format_bytes(summary["peak_device_bytes"])),
         ("model", summary["model_dir"]),

@@ -16,14 +16,17 @@ Two entry paths, one per backend:
 
 Each call runs inside a named profiler scope so it shows by name in TPU profiles.
 Both paths cache by the function object and argument shapes: the kernel
-builders are memoised per static spec, so a repeated call re-traces nothing.
+builders are memoised per static spec, so a repeated call re-traces nothing
+(counted: ``torchattn.counters``, ``jax_traces``).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .. import internals
+from .. import counters, internals
 
 
 def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Tensor, ...]:
@@ -37,5 +40,18 @@ def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Ten
         if interpret:
             import torch_xla.core.xla_builder as xb
 
-            return tuple(xb.call_jax(fn, tuple(args)))
-        return internals.tpu_custom_call(fn, args, out_shapes)
+            return tuple(xb.call_jax(_counted(fn), tuple(args)))
+        return internals.tpu_custom_call(_counted(fn), args, out_shapes)
+
+
+@functools.lru_cache(maxsize=None)
+def _counted(fn):
+    """``fn``, counting each time JAX traces it (its body runs only then). One wrapper per
+    ``fn``: call_jax and the Mosaic lowering cache by the function object."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        counters.count("jax_traces")
+        return fn(*args)
+
+    return traced

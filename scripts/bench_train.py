@@ -1,0 +1,164 @@
+"""Training steps with torchattn, SDPA and eager attention side by side: tokens/s, compilations,
+host tracing time and peak memory, as a table of ratios (vs sdpa) and CSV.
+
+    .venv/bin/python scripts/bench_train.py                          # both recipes, 6 steps each
+    .venv/bin/python scripts/bench_train.py --recipes bbc-topics --max-steps 8
+    .venv/bin/python scripts/bench_train.py -- --max-length 1024     # flags after -- go to every run
+
+Each (recipe, attention) pair is one ``python -m train`` run in its own process, with the same
+flags (``--attn`` aside): ``--max-steps`` steps, one evaluation batch, no checkpoint but the last.
+The figures are the trainer's own (train/guards.py, train/metrics.py): tokens/s over the steps
+that compiled nothing, compilations in warm-up and after, JAX traces of torchattn's kernels
+after warm-up, host time per step spent tracing (the step's Python and lazy-graph building
+before ``torch_xla.sync()``: on a TPU, time the chip waits; wall time, and the tracing thread's
+CPU time, which a busy machine does not inflate), and peak host memory (on XLA:CPU the device's
+memory is the host's; on a TPU the device's peak as well). The trainer's first two runs of each
+graph are warm-up, so ``--max-steps`` must be at least 3. All runs of one invocation share one
+machine and sitting: compare within one CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+RECIPES = ("bbc-topics", "sotu-lm")
+ATTENTIONS = ("torchattn", "sdpa", "eager")
+FIELDS = ("recipe", "attn", "status", "steps", "tokens_per_s", "compiles_warmup", "compiles_after_warmup",
+          "jax_traces_after_warmup", "tracing_s_per_step", "tracing_cpu_s_per_step", "peak_host_mb",
+          "peak_device_mb")
+RATIOS = ("tokens_per_s", "tracing_s_per_step", "tracing_cpu_s_per_step", "peak_host_mb")
+MARK = "bench_train summary: "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated recipes")
+    parser.add_argument("--attns", default=",".join(ATTENTIONS), help="comma-separated --attn values")
+    parser.add_argument("--max-steps", type=int, default=6, help="optimizer steps per run (>= 3)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "train-xla-cpu.csv"))
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("train_flags", nargs="*", help="after --: flags passed to every python -m train run")
+    args = parser.parse_args(argv)
+    if args.child:
+        return _child(args.train_flags)
+    if args.max_steps < 3:
+        parser.error(f"--max-steps: expected an integer >= 3 (two warm-up steps, then measured ones), "
+                     f"got {args.max_steps}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench_train-") as scratch:
+        for recipe in args.recipes.split(","):
+            for attn in args.attns.split(","):
+                flags = ["--recipe", recipe, "--attn", attn, "--max-steps", str(args.max_steps),
+                         "--eval-batches", "1", "--save-steps", "0", "--log-steps", "1",
+                         "--output-dir", os.path.join(scratch, f"{recipe}-{attn}"), *args.train_flags]
+                rows.append(_run(recipe, attn, flags))
+                print(_format_row(rows[-1]), flush=True)
+    _write_csv(rows, args.out)
+    print(ratio_table(rows))
+    print(f"written: {args.out}")
+    return 0
+
+
+def _run(recipe: str, attn: str, flags: list[str]) -> dict:
+    """One python -m train run in a fresh process; its summary as a CSV row."""
+    command = [sys.executable, os.path.abspath(__file__), "--child", "--", *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(MARK)]
+    row = {"recipe": recipe, "attn": attn}
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {**row, "status": f"failed ({done.returncode}): {tail[0][:200]}"}
+    summary = json.loads(lines[-1][len(MARK):])
+    row.update({name: summary.get(name) for name in FIELDS if name in summary}, status="ok")
+    row["peak_host_mb"] = summary["peak_host_bytes"] / 2**20
+    row["peak_device_mb"] = summary["peak_device_bytes"] / 2**20 if summary["peak_device_bytes"] else None
+    return row
+
+
+def _child(flags: list[str]) -> int:
+    """Runs the trainer with ``flags`` and prints its summary as one JSON line."""
+    sys.path.insert(0, ROOT)
+    from train.config import parse_args
+    from train.guards import TracingTimer
+    from train.trainer import Trainer
+
+    class MeasuredTrainer(Trainer):
+        """The trainer with its tracing timed (train/guards.py's TracingTimer around the work before each
+        sync) and JAX traces after warm-up in the summary."""
+
+        def __init__(self, config):
+            self.tracing = TracingTimer()
+            super().__init__(config)
+
+        def _sync(self, kind, work, *args, **kwargs):
+            def timed(*work_args, **work_kwargs):
+                with self.tracing.measure():
+                    work(*work_args, **work_kwargs)
+
+            return super()._sync(kind, timed, *args, **kwargs)
+
+        def _after_step(self, micro_losses, lr, tokens, elapsed, compiled):
+            self.tracing.step_done(steady=not compiled)
+            super()._after_step(micro_losses, lr, tokens, elapsed, compiled)
+
+        def _finish(self):
+            summary = super()._finish()
+            summary.update(self.tracing.summary(), jax_traces_after_warmup=self.compiles.jax_traces_after_warmup)
+            return summary
+
+    trainer = MeasuredTrainer(parse_args(flags))
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    summary["steps"] = len(trainer.tracing.steps)
+    print(MARK + json.dumps(summary), flush=True)
+    return 0
+
+
+def _write_csv(rows: list[dict], path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows({name: row.get(name) for name in FIELDS} for row in rows)
+
+
+def _format_row(row: dict) -> str:
+    return " ".join(f"{name}={row[name]:.4g}" if isinstance(row.get(name), float) else f"{name}={row.get(name)}"
+                    for name in FIELDS if row.get(name) is not None)
+
+
+def ratio_table(rows: list[dict]) -> str:
+    """Markdown: every measured figure of each run, and its ratio to sdpa's run of the same recipe."""
+    header = ["recipe", "attn", "tokens/s", "compiles warm-up / after", "jax traces after", "tracing s/step (CPU)",
+              "peak host MB"] + [f"{name} vs sdpa" for name in RATIOS]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    sdpa = {row["recipe"]: row for row in rows if row["attn"] == "sdpa" and row["status"] == "ok"}
+    for row in rows:
+        if row["status"] != "ok":
+            lines.append(f"| {row['recipe']} | {row['attn']} | {row['status']} |")
+            continue
+        base = sdpa.get(row["recipe"], {})
+        ratios = [f"{row[name] / base[name]:.2f}x" if row.get(name) and base.get(name) else "n/a" for name in RATIOS]
+        cells = [row["recipe"], row["attn"], _number(row["tokens_per_s"], ".0f"),
+                 f"{row['compiles_warmup']} / {row['compiles_after_warmup']}", str(row["jax_traces_after_warmup"]),
+                 f"{_number(row['tracing_s_per_step'], '.3f')} ({_number(row['tracing_cpu_s_per_step'], '.3f')})",
+                 _number(row["peak_host_mb"], ".0f")] + ratios
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _number(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -96,3 +96,26 @@ def test_default_lengths_are_max_length_then_powers_of_two_to_the_position_limit
     config = parse_args(["--max-length", "2048", "--compile-only", "v5e"])
     assert compile_only.lengths(config, 8192) == [2048, 4096, 8192]
     assert compile_only.lengths(config, None)[-1] == 32768
+
+
+def test_after_a_refusal_longer_lengths_are_skipped_and_a_trace_error_is_a_row(llama, tmp_path, monkeypatch, capsys):
+    def trace(model_config, config, attn, length):
+        if attn == "sdpa":
+            raise RuntimeError("Expected query, key, and value to have the same dtype")
+        return "", 0
+
+    def compile_(text, donated, target, attn, length):  # 1 GiB per 1024 tokens; the chip holds 16
+        need = length // 1024 * GiB
+        return compile_only.Row(attn, length, need <= 16 * GiB, argument_bytes=need, total_bytes=need)
+
+    monkeypatch.setattr(compile_only, "step_graph", trace)
+    monkeypatch.setattr(compile_only, "compile_row", compile_)
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "8192,32768,65536",
+                         "--compile-attn", "torchattn,sdpa"))
+    assert status == 0
+    rows = [(row["attn"], row["length"], row["fits"], row["error"]) for row in csv.DictReader(report.open())]
+    assert rows[:3] == [("torchattn", "8192", "True", ""), ("torchattn", "32768", "False", ""),
+                        ("torchattn", "65536", "False", "not compiled: 32768 does not fit")]
+    assert [error.startswith("step does not trace: Expected query") for *_, error in rows[3:]] == [True] * 3
+    assert "torchattn  8192" in capsys.readouterr().out

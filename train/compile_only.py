@@ -246,8 +246,13 @@ def compile_row(text: str, donated: int, target: Target, attn: str, length: int)
 
 
 def _compiled(model_config, config: RunConfig, target: Target, attn: str, length: int, layers: int) -> Row:
-    text, donated = step_graph(model_config, config, attn, length)
-    gc.collect()  # the traced step's tensors, before anything else may sync
+    try:
+        text, donated = step_graph(model_config, config, attn, length)
+    except Exception as error:  # the model cannot trace this step (an implementation's dtype rule, ...)
+        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return Row(attn, length, False, error=f"step does not trace: {detail}", layers=layers)
+    finally:
+        gc.collect()  # the traced step's tensors, before anything else may sync
     return dataclasses.replace(compile_row(text, donated, target, attn, length), layers=layers)
 
 
@@ -275,7 +280,7 @@ def table(rows: list[Row], target: Target) -> str:
             verdict = row.error
         else:
             verdict = "error: " + row.error
-        sizes = [_gib(n) if row.fits else "-" for n in (row.argument_bytes, row.temp_bytes, row.output_bytes)]
+        sizes = [_gib(n) if row.argument_bytes else "-" for n in (row.argument_bytes, row.temp_bytes, row.output_bytes)]
         total = _gib(row.total_bytes) if row.total_bytes else "-"
         lines.append(f"{row.attn:<10} {row.length:>7} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>8} {total:>10} "
                      f"{verdict:<28} {row.compile_s:>9.1f} {row.tpu_custom_calls:>9} {row.layers}"
@@ -334,8 +339,9 @@ def run(config: RunConfig) -> int:
     with devices.seen_as_tpu(target.generation):
         for attn in attns:
             for length in sizes:
-                if rows and rows[-1].attn == attn and not rows[-1].fits:  # longer ones cannot fit either
-                    rows.append(Row(attn, length, False, error=f"not compiled: {rows[-1].length} does not fit"))
+                refused = next((row for row in rows if row.attn == attn and row.total_bytes and not row.fits), None)
+                if refused is not None:  # longer ones cannot fit either
+                    rows.append(Row(attn, length, False, error=f"not compiled: {refused.length} does not fit"))
                 elif cuts is None:
                     rows.append(_compiled(model_config, config, target, attn, length, layers))
                 else:

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from . import internals, spmd, torch_blockwise
+from . import devices, internals, spmd, torch_blockwise
 from .kernels import torch_side
 from .request import Options, Request, accumulation_dtype
 
@@ -50,12 +50,18 @@ IMPLEMENTATIONS = {
 _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, derived from Options' fields
 
 
+def _trace_key(impl: str, q: torch.Tensor) -> tuple:
+    """What a body's trace depends on beyond its arguments: the implementation, and the TPU
+    generation the pallas kernels read their VMEM limit from."""
+    return impl, devices.tpu_generation(q.device)
+
+
 @torch.library.custom_op(
     "torchattn::attention_forward", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? kv_segment_ids, Tensor? bias, "
            f"Tensor? dropout_key, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
 def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
-    return internals.traced_once("torchattn::attention_forward", IMPLEMENTATIONS[impl][0], impl, q, k, v,
+    return internals.traced_once("torchattn::attention_forward", IMPLEMENTATIONS[impl][0], _trace_key(impl, q), q, k, v,
                                  segment_ids, kv_segment_ids, bias, dropout_key, Options.from_op_arguments(options))
 
 
@@ -71,7 +77,8 @@ def _(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
            f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
 def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, impl, bias_grad,
                        *options):
-    dq, dk, dv, dbias = internals.traced_once("torchattn::attention_backward", IMPLEMENTATIONS[impl][1], impl, do,
+    dq, dk, dv, dbias = internals.traced_once("torchattn::attention_backward", IMPLEMENTATIONS[impl][1],
+                                              _trace_key(impl, q), do,
                                               dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key,
                                               Options.from_op_arguments(options), bias_grad)
     # custom ops cannot return None: an empty tensor stands for "no bias gradient".

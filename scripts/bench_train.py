@@ -86,34 +86,9 @@ def _child(flags: list[str]) -> int:
     """Runs the trainer with ``flags`` and prints its summary as one JSON line."""
     sys.path.insert(0, ROOT)
     from train.config import parse_args
-    from train.guards import TracingTimer
     from train.trainer import Trainer
 
-    class MeasuredTrainer(Trainer):
-        """The trainer with its tracing timed (train/guards.py's TracingTimer around the work before each
-        sync) and JAX traces after warm-up in the summary."""
-
-        def __init__(self, config):
-            self.tracing = TracingTimer()
-            super().__init__(config)
-
-        def _sync(self, kind, work, *args, **kwargs):
-            def timed(*work_args, **work_kwargs):
-                with self.tracing.measure():
-                    work(*work_args, **work_kwargs)
-
-            return super()._sync(kind, timed, *args, **kwargs)
-
-        def _after_step(self, micro_losses, lr, tokens, elapsed, compiled):
-            self.tracing.step_done(steady=not compiled)
-            super()._after_step(micro_losses, lr, tokens, elapsed, compiled)
-
-        def _finish(self):
-            summary = super()._finish()
-            summary.update(self.tracing.summary(), jax_traces_after_warmup=self.compiles.jax_traces_after_warmup)
-            return summary
-
-    trainer = MeasuredTrainer(parse_args(flags))
+    trainer = Trainer(parse_args(flags))
     try:
         summary = trainer.train()
     finally:

@@ -4,6 +4,7 @@ from . import _versions
 
 _versions.check_versions()  # before importing torch: a mismatched torch/torch_xla pair fails here, clearly
 
+from . import counters  # noqa: E402
 from .api import explain, flash_attention  # noqa: E402
 from .block_sizes import BlockSizes  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
@@ -15,4 +16,4 @@ from .tuning import tune  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded", "tune",
-           "tuned", "clear_tuned", "__version__"]
+           "tuned", "clear_tuned", "counters", "__version__"]

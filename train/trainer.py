@@ -32,7 +32,7 @@ import torch
 
 from . import checkpoint, metrics
 from .config import ConfigError, RunConfig, save_config, CONFIG_FILE, mesh_axes
-from .guards import CompileWatch, MemoryWatch, peak_host_rss
+from .guards import CompileWatch, MemoryWatch, TracingTimer, peak_host_rss
 from .parallel import Spmd
 
 log = logging.getLogger("train")
@@ -224,6 +224,7 @@ class Trainer:
         self.position = Position()
 
         self.compiles = CompileWatch()
+        self.tracing = TracingTimer()
         # Gradients exist from the start, so every micro-batch is the same graph (no first-step
         # variant that creates them). Before a resume restores the RNGs: a sync advances the XLA
         # generator, so none may run between the restore and the next step.
@@ -365,7 +366,8 @@ class Trainer:
         """Runs ``work`` and executes the graph it traced; returns how many graphs that compiled."""
         import torch_xla
 
-        work(*args, **kwargs)
+        with self.tracing.measure():  # host time spent tracing: what the device waits for
+            work(*args, **kwargs)
         torch_xla.sync()
         return self.compiles.after(kind, shape, self.position.step + 1)
 
@@ -398,6 +400,7 @@ class Trainer:
     def _after_step(self, micro_losses: list[torch.Tensor], lr: float, tokens: int, elapsed: float,
                     compiled: int) -> None:
         config, step = self.config, self.position.step
+        self.tracing.step_done(steady=not compiled)
         if not compiled:  # steady state: throughput without compile time
             self._step_times.append((elapsed, tokens))
         self._profile(step, compiled)
@@ -500,6 +503,7 @@ class Trainer:
         summary.update({
             "tokens_per_s": sum(n for _, n in self._step_times) / seconds if seconds else None,
             "compiles_warmup": self.compiles.warmup, "compiles_after_warmup": self.compiles.after_warmup,
+            "jax_traces_after_warmup": self.compiles.jax_traces_after_warmup, **self.tracing.summary(),
             "peak_host_bytes": peak_host_rss(), "peak_device_bytes": self.memory.peak_device(),
             "model_dir": model_dir, "checkpoints": self.checkpointer.directory,
         })

@@ -1,7 +1,7 @@
 """TPU generations: the numbers block sizes and VMEM limits are chosen from.
 
-Peak bf16 FLOP/s and HBM bandwidth per chip are Google Cloud's published
-figures; VMEM per core is what libtpu 0.0.21's compiler reports for each
+Peak bf16 FLOP/s, HBM bandwidth and HBM capacity per chip are Google Cloud's
+published figures; VMEM per core is what libtpu 0.0.21's compiler reports for each
 generation ("would exceed memory (size=...)", tests/test_tpu_compile.py reads
 it again). ``device_kind`` is the string a TPU device reports
 (``torch_xla.core.xla_model.xla_device_kind``, ``jax.Device.device_kind``);
@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 MiB = 1 << 20
+GiB = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Generation:
     topology: str
     peak_bf16_flops: float  # per chip, FLOP/s
     hbm_bytes_per_s: float  # per chip
+    hbm_bytes: int  # per chip, capacity
     vmem_bytes: int  # per TensorCore, what the compiler allocates from
     vmem_limit_bytes: int | None  # the scoped VMEM limit torchattn's kernels ask Mosaic for; None = its default
     # Default (block_q, block_kv, block_q_bwd, block_kv_bwd) for head_dim <= 128 and for larger heads.
@@ -41,13 +43,13 @@ class Generation:
 GENERATIONS = {
     g.name: g for g in (
         # v4: 16 MiB of VMEM is also Mosaic's default limit; nothing to raise.
-        Generation("v4", "TPU v4", "v4:2x2x1", 275e12, 1228e9, 16 * MiB, None,
+        Generation("v4", "TPU v4", "v4:2x2x1", 275e12, 1228e9, 32 * GiB, 16 * MiB, None,
                    blocks=(512, 512, 512, 512), blocks_wide_heads=(256, 256, 256, 256)),
-        Generation("v5e", "TPU v5 lite", "v5e:2x2", 197e12, 819e9, 128 * MiB, 96 * MiB,
+        Generation("v5e", "TPU v5 lite", "v5e:2x2", 197e12, 819e9, 16 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(512, 1024, 512, 512), blocks_wide_heads=(512, 512, 256, 512)),
-        Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 64 * MiB, 48 * MiB,
+        Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 95 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(512, 512, 512, 512), blocks_wide_heads=(256, 512, 256, 256)),
-        Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 128 * MiB, 96 * MiB,
+        Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(1024, 1024, 512, 1024), blocks_wide_heads=(1024, 512, 512, 1024)),
     )
 }

@@ -38,11 +38,11 @@ import time
 
 import torch
 
+from torchattn import generations
+from torchattn.generations import GiB
+
 from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, positive_ints
 
-GiB = 1 << 30
-# HBM per chip, Google Cloud's published figures (torchattn.generations has no such column).
-HBM_BYTES = {"v4": 32 * GiB, "v5e": 16 * GiB, "v5p": 95 * GiB, "v6e": 32 * GiB}
 # The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
 _HBM_EXHAUSTED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
 _UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -96,8 +96,6 @@ def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capac
 def resolve_target(name: str) -> Target:
     """--compile-only's topology: "v5e" (one chip), "v5e:2x2", "v4:2x2x1", ... ConfigError if libtpu is
     missing or does not know the name."""
-    from torchattn import generations
-
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError("--compile-only: needs libtpu (the TPU compiler), which is not installed; "
                           "`pip install -e .[dev]` (or the tpu extra) installs libtpu==0.0.21")
@@ -285,8 +283,8 @@ def table(rows: list[Row], target: Target) -> str:
         lines.append(f"{row.attn:<10} {row.length:>7} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>8} {total:>10} "
                      f"{verdict:<28} {row.compile_s:>9.1f} {row.tpu_custom_calls:>9} {row.layers}"
                      + (f" (extrapolated from {row.extrapolated_from})" if row.extrapolated_from else ""))
-    lines.append(f"largest length that fits in {target.generation}'s {_gib(HBM_BYTES[target.generation])} GiB "
-                 "of HBM, of those compiled:")
+    capacity = _gib(generations.get(target.generation).hbm_bytes)
+    lines.append(f"largest length that fits in {target.generation}'s {capacity} GiB of HBM, of those compiled:")
     for attn in dict.fromkeys(row.attn for row in rows):
         fitting = [row.length for row in rows if row.attn == attn and row.fits]
         lines.append(f"  {attn:<10} {max(fitting) if fitting else 'none'}")
@@ -302,7 +300,7 @@ def write_csv(rows: list[Row], target: Target, path: str) -> None:
         writer = csv.writer(f)
         writer.writerow(["topology", "generation", "hbm_bytes_per_chip", *fields])
         for row in rows:
-            writer.writerow([target.topology, target.generation, HBM_BYTES[target.generation],
+            writer.writerow([target.topology, target.generation, generations.get(target.generation).hbm_bytes,
                              *(getattr(row, name) for name in fields)])
     os.replace(f.name, path)
 
@@ -346,7 +344,7 @@ def run(config: RunConfig) -> int:
                     rows.append(_compiled(model_config, config, target, attn, length, layers))
                 else:
                     pair = tuple(_compiled(_cut(model_config, n), config, target, attn, length, n) for n in cuts)
-                    rows.append(extrapolate(pair, cuts, layers, HBM_BYTES[target.generation]))
+                    rows.append(extrapolate(pair, cuts, layers, generations.get(target.generation).hbm_bytes))
                 print(table(rows[-1:], target).splitlines()[1], flush=True)
                 write_csv(rows, target, path)  # after every row: an interrupted sweep keeps what it compiled
     print(table(rows, target))

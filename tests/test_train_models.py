@@ -93,6 +93,26 @@ def test_torchattn_runs_the_chosen_backend_and_matches_eager(tiny, monkeypatch):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_sdpa_trains_a_rotary_model_on_xla(llama, docs_csv, tmp_path):
+    # Under --bf16, rotary embeddings hand SDPA float32 q and k with a bfloat16 v; torch_xla's autocast
+    # leaves SDPA's inputs as they are and SDPA refuses the mix unless train.models casts them.
+    from train.__main__ import main
+
+    def first_loss(*flags) -> float:
+        out = tmp_path / "-".join(flags)
+        assert main(["--model", llama, "--dataset", docs_csv, "--task", "lm", "--max-length", "64", "--batch-size",
+                     "2", "--max-steps", "1", "--eval-batches", "1", "--dropout", "0", "--output-dir", str(out),
+                     *flags]) == 0
+        with open(out / "metrics.jsonl") as f:
+            return next(r["loss"] for r in map(json.loads, f) if "loss" in r)  # the same first batch in each run
+
+    reference = first_loss("--attn", "eager")
+    sdpa, eager = first_loss("--bf16", "--attn", "sdpa"), first_loss("--bf16", "--attn", "eager")
+    assert sdpa != reference and eager != reference, "--bf16 must change the arithmetic"
+    # NOTES' bf16 rule: bf16 sdpa is as far from the float32 loss as bf16 eager is, within a factor.
+    assert abs(sdpa - reference) <= 3 * abs(eager - reference), (sdpa, eager, reference)
+
+
 def test_lm_task(tiny):
     llama, tokenizer = load_model(tiny["llama"], task="lm", num_labels=None, attn="sdpa")
     assert isinstance(llama, transformers.LlamaForCausalLM)

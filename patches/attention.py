@@ -50,7 +50,7 @@ def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     if kwargs.get("output_attentions"):
         warn_no_attentions(type(module).__name__)
     batch, _, q_len, _ = query.shape
-    dtype, autocast_device = _compute_dtype(module, query, key, value)
+    dtype, autocast_device = compute_dtype(module, query, key, value)
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     model = type(module).__name__
     mask = masks.from_hf(attention_mask, batch=batch, q_len=q_len, kv_len=key.shape[2], dtype=dtype,
@@ -76,7 +76,7 @@ def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return out.transpose(1, 2).contiguous(), None
 
 
-def _compute_dtype(module, query, key, value) -> tuple[torch.dtype, str | None]:
+def compute_dtype(module, query, key, value) -> tuple[torch.dtype, str | None]:
     """(compute dtype, device type whose autocast is on, or None)."""
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type) and query.dtype in _AUTOCAST_ELIGIBLE:

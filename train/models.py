@@ -119,9 +119,9 @@ def sdpa_one_dtype(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     under autocast). Under --bf16 the projections give bfloat16, but rotary embeddings compute in
     float32 and make q and k float32 again. CUDA's autocast casts SDPA's inputs to one dtype;
     torch_xla's autocast does not cover SDPA, which then refuses the mix."""
-    from patches.attention import _compute_dtype
+    from patches.attention import compute_dtype
 
-    dtype, _ = _compute_dtype(module, query, key, value)
+    dtype, _ = compute_dtype(module, query, key, value)
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     return sdpa(module, query.to(dtype), key.to(dtype), value.to(dtype), *args, **kwargs)
 

@@ -3,6 +3,7 @@
     .venv/bin/python scripts/bench_attention.py                      # 512 .. 32768 tokens, as far as memory allows
     .venv/bin/python scripts/bench_attention.py --lengths 512 1024 --dtypes float32 --out docs/bench/attention
     .venv/bin/python scripts/bench_attention.py --memory-limit-gb 12  # share the machine
+    .venv/bin/python scripts/bench_attention.py --lengths 32768 --append --out docs/bench/attention
 
 Batch 1, 8 heads, head_dim 128, causal. Each (implementation, dtype, length) runs in its own process,
 so one configuration's memory never counts for another and a run that dies (out of memory)
@@ -12,7 +13,9 @@ only loses its own row. The parent kills a process whose resident set exceeds --
 timed calls run, above its level after warm-up once freed memory went back to the system
 (glibc malloc_trim; on XLA:CPU the device's memory is the host's;
 on a TPU the device's own peak is read as well). Every configuration of one invocation runs on
-the same machine in one sitting: compare rows of one CSV, not across runs.
+the same machine in one sitting: compare rows of one CSV, not across runs. ``--append`` keeps
+the rows of an existing OUT.csv that the run does not measure (a long length added later, on the
+same machine) and plots them all.
 
 Implementations: torchattn's ``xla``, ``interpret`` (slow: Pallas interpret mode, up to
 --interpret-max tokens) and, on a TPU, ``pallas``, torch_xla's own flash attention and JAX's
@@ -264,6 +267,47 @@ def _watch(child: subprocess.Popen, timeout: float, memory_limit_gb: float) -> s
     return None
 
 
+def read_rows(path: str) -> list[dict]:
+    """The rows of a CSV this script wrote, typed as :func:`plot` reads them."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    if tuple(reader.fieldnames or ()) != FIELDS:
+        raise ValueError(f"--append: expected {path} to have the columns {', '.join(FIELDS)}, "
+                         f"got {', '.join(reader.fieldnames or ['none'])}")
+    for row in rows:
+        if row["implementation"] not in IMPLEMENTATIONS:
+            raise ValueError(f"--append: expected an implementation of {', '.join(IMPLEMENTATIONS)} in {path}, "
+                             f"got {row['implementation']!r}")
+        row["length"] = int(row["length"])
+        row["peak_extra_mb"] = float(row["peak_extra_mb"]) if row["peak_extra_mb"] else None
+    return rows
+
+
+def merged(previous: list[dict], rows: list[dict]) -> list[dict]:
+    """``rows`` and the ``previous`` rows of configurations they do not measure, in table order
+    (dtype as given, then implementation, then length)."""
+    measured = {(r["implementation"], r["dtype"], r["length"]) for r in rows}
+    kept = [r for r in previous if (r["implementation"], r["dtype"], r["length"]) not in measured]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in kept + rows))
+    return sorted(kept + rows, key=lambda r: (dtypes.index(r["dtype"]), IMPLEMENTATIONS.index(r["implementation"]),
+                                              r["length"]))
+
+
+def write(rows: list[dict], out: str) -> None:
+    """OUT.csv and OUT.png, each written under a temporary name and renamed into place."""
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", newline="", dir=os.path.dirname(os.path.abspath(out)),
+                                     suffix=".csv", delete=False) as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows({k: row.get(k) for k in FIELDS} for row in rows)
+    os.replace(f.name, f"{out}.csv")
+    temporary = f"{out}.tmp.png"
+    plot(rows, temporary)
+    os.replace(temporary, f"{out}.png")
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -273,7 +317,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for (implementation, dtype) in sorted({(r["implementation"], r["dtype"]) for r in rows}):
         points = [(r["length"], r["peak_extra_mb"]) for r in rows if (r["implementation"], r["dtype"]) ==
-                  (implementation, dtype) and r["status"] == "ok" and r["peak_extra_mb"] > 0]
+                  (implementation, dtype) and r["status"] == "ok" and (r["peak_extra_mb"] or 0) > 0]
         if points:
             ax.plot(*zip(*points), marker="o", label=f"{implementation} {dtype}")
     ax.set_xscale("log", base=2)
@@ -299,6 +343,8 @@ def main(argv=None) -> int:
     parser.add_argument("--memory-limit-gb", type=float, default=round(0.9 * _memory_total_gb(), 1),
                         help="kill a configuration whose resident set exceeds this (default: 90%% of MemTotal)")
     parser.add_argument("--out", default="bench-attention", help="writes OUT.csv and OUT.png")
+    parser.add_argument("--append", action="store_true",
+                        help="keep OUT.csv's rows for configurations this run does not measure")
     parser.add_argument("--one", nargs=5, metavar=("IMPL", "DTYPE", "LENGTH", "CALLS", "WARMUP"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -310,6 +356,8 @@ def main(argv=None) -> int:
         implementation, dtype, length, calls, warmup = args.one
         print(json.dumps(measure(implementation, dtype, int(length), int(calls), int(warmup))))
         return 0
+    # Read before measuring: a CSV it cannot read fails the run now, not after an hour.
+    previous = read_rows(f"{args.out}.csv") if args.append and os.path.exists(f"{args.out}.csv") else []
     on_tpu = os.environ.get("PJRT_DEVICE") == "TPU"
     rows = []
     for dtype in args.dtypes:
@@ -328,12 +376,7 @@ def main(argv=None) -> int:
                 failed = failed or row["status"] != "ok"
                 rows.append(row)
                 print(", ".join(f"{k}={row.get(k)}" for k in FIELDS if row.get(k) is not None), flush=True)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(f"{args.out}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows({k: row.get(k) for k in FIELDS} for row in rows)
-    plot(rows, f"{args.out}.png")
+    write(merged(previous, rows), args.out)
     print(f"wrote {args.out}.csv and {args.out}.png")
     return 0
 

@@ -31,9 +31,14 @@ def test_append_keeps_rows_not_measured_and_replaces_measured(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["bench.csv", "bench.png"]  # no temporary left behind
 
 
-def test_append_refuses_a_foreign_csv_before_measuring(tmp_path):
+def test_append_refuses_a_foreign_csv_before_measuring(tmp_path, monkeypatch):
     path = tmp_path / "bench.csv"
     with open(path, "w", newline="") as f:
         csv.writer(f).writerows([["name", "value"], ["a", "1"]])
+
+    def measured(*args, **kwargs):
+        raise AssertionError("measured before reading the CSV it appends to")
+
+    monkeypatch.setattr(bench_attention, "_run_one", measured)
     with pytest.raises(ValueError, match="--append: expected .*bench.csv to have the columns implementation"):
         bench_attention.main(["--append", "--out", str(tmp_path / "bench"), "--lengths", "512"])

@@ -41,7 +41,7 @@ import torch
 from torchattn import generations
 from torchattn.generations import GiB
 
-from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, positive_ints
+from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, positive_ints
 
 # The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
 _HBM_EXHAUSTED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
@@ -247,8 +247,7 @@ def _compiled(model_config, config: RunConfig, target: Target, attn: str, length
     try:
         text, donated = step_graph(model_config, config, attn, length)
     except Exception as error:  # the model cannot trace this step (an implementation's dtype rule, ...)
-        detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return Row(attn, length, False, error=f"step does not trace: {detail}", layers=layers)
+        return Row(attn, length, False, error=f"step does not trace: {first_line(error)}", layers=layers)
     finally:
         gc.collect()  # the traced step's tensors, before anything else may sync
     return dataclasses.replace(compile_row(text, donated, target, attn, length), layers=layers)

@@ -34,6 +34,12 @@ class ConfigError(ValueError):
     """A bad flag, config file or recipe. str(e) is one line naming the flag and the value."""
 
 
+def first_line(error: Exception) -> str:
+    """The first line of an exception's message (its type's name if it has none), for one-line errors."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _doc(text: str, **kwargs) -> Any:
     """A field whose docstring is also its --help text."""
     return dataclasses.field(metadata={"help": text}, **kwargs)

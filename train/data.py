@@ -26,6 +26,7 @@ import datasets
 import numpy as np
 import torch
 
+from .config import first_line
 from .packing import IGNORE_INDEX, pack_documents
 
 TASKS = ("classification", "lm")
@@ -111,7 +112,7 @@ def _open_source(dataset: str) -> dict[str, datasets.Dataset]:
             return {"train": datasets.load_dataset(builder, data_files=str(path), split="train")}
         except Exception as e:  # the readers raise many types; the user needs the file and the reason
             raise DataError(f"--dataset: could not read {dataset!r} as {builder}: "
-                            f"{_first_line(e)}") from e
+                            f"{first_line(e)}") from e
     if _looks_like_path(dataset):
         raise DataError(f"--dataset: no such file or folder: {dataset!r}")
     try:
@@ -119,12 +120,7 @@ def _open_source(dataset: str) -> dict[str, datasets.Dataset]:
     except Exception as e:  # offline, unknown id, gated, ...: all mean "not loadable"
         raise DataError(f"--dataset: {dataset!r} is not a built-in ({', '.join(BUILTIN_DATASETS)}) nor a local "
                         f"file or folder, and loading it from the Hugging Face hub failed (offline?): "
-                        f"{_first_line(e)}") from e
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+                        f"{first_line(e)}") from e
 
 
 # --- columns, deduplication, split ----------------------------------------------------------------

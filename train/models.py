@@ -20,6 +20,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .config import first_line
+
 TASKS = ("classification", "lm")
 ATTENTION = ("torchattn", "sdpa", "eager")
 SDPA_ONE_DTYPE = "sdpa_one_dtype"  # --attn sdpa's registered name; "sdpa" inside keeps transformers' sdpa checks
@@ -36,9 +38,10 @@ class ModelError(ValueError):
     """Bad model input; one line naming the flag and value."""
 
 
-def _first_line(error: Exception) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def _not_loaded(model: str, error: Exception) -> ModelError:
+    """The one-line error for a model whose config or tokenizer could not be loaded."""
+    return ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
+                      f"{first_line(error)}")
 
 
 def _locate(model: str) -> tuple[str, str | None]:
@@ -137,8 +140,7 @@ def model_config(model: str, *, task: str, num_labels: int | None, dropout: floa
     try:
         config = transformers.AutoConfig.from_pretrained(where, **load)
     except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
-        raise ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
-                         f"{_first_line(e)}") from e
+        raise _not_loaded(model, e) from e
     if task == "classification":
         config.num_labels = num_labels
     else:
@@ -171,8 +173,7 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
     except (OSError, ValueError) as e:
-        raise ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
-                         f"{_first_line(e)}") from e
+        raise _not_loaded(model, e) from e
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
@@ -185,7 +186,7 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
                                             **load)
     except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
         raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
-                         f"({config.model_type}): {_first_line(e)}") from e
+                         f"({config.model_type}): {first_line(e)}") from e
     if "gguf_file" in load:
         loaded = _without_gguf(loaded, auto_class, implementation)
     if dropout is not None:

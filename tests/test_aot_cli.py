@@ -111,6 +111,9 @@ def test_sequence_too_long_for_hbm_exit_1_with_the_compilers_reason():
     ("--dropout", "1", "[0, 1)"),
     ("--softcap", "-1.5", "positive"),
     ("--seq-len", "0", "positive integer"),
+    ("--head-dim", "300", "head_dim: expected <= 256, got 300"),  # flash_attention's own limit and words
+    ("--head-dim", "600", "head_dim: expected <= 256, got 600"),
+    ("--window", "-5,3", "window: expected left to be an int >= 0 or None, got -5"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(flag, value, says, capsys):
     argv = ["--generation", "v5e", "--q-heads", "32", "--seq-len", "64", "--head-dim", "64"]
@@ -127,3 +130,19 @@ def test_window_sides_may_be_unbounded(text, window):
     args = parse_args(["--generation", "v5e", "--q-heads", "2", "--seq-len", "64", "--head-dim", "64",
                        f"--window={text}"])
     assert args.window == window
+
+
+@pytest.mark.parametrize("value", ["-5,3", "-1,"])
+def test_a_window_starting_with_minus_is_read_as_the_flags_value(value, capsys):
+    """``--window -5,3`` (two words): argparse would take -5,3 for an option ("expected one argument")."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["--generation", "v5e", "--q-heads", "2", "--seq-len", "64", "--head-dim", "64", "--window", value])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "argument --window: window: expected left to be an int >= 0 or None, got -" in error, error
+
+
+def test_window_as_two_words():
+    args = parse_args(["--generation", "v5e", "--q-heads", "2", "--seq-len", "64", "--head-dim", "64",
+                       "--window", "16,0", "--causal"])
+    assert args.window == (16, 0) and args.causal

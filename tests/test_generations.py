@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torchattn
 from torchattn import devices, generations, internals, once
 from torchattn.api import _validate
 from torchattn.block_sizes import BlockSizes
+from torchattn.generations import GiB
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -99,3 +102,39 @@ def test_calls_on_a_tpu_take_its_generation_s_blocks_and_vmem_limit(tpu_of_kind,
         assert "scoped_memory_configs" not in config
     else:
         assert config["scoped_memory_configs"][0]["size"] == limit
+
+
+# libtpu 0.0.21's refusal of a program whose HBM needs exceed the device's, in binary units with two
+# decimals: "Ran out of memory in memory space hbm. Used 120.00G of 15.75G hbm. Exceeded hbm capacity by ..."
+_HBM_REFUSAL = re.compile(r"Used ([\d.]+)G of ([\d.]+)G hbm")
+# One float32 argument of 120 GiB: more than any generation's HBM, less than libtpu's largest single
+# allocation (2^31 words of 64 bytes; v5p's 95 GiB doubled fails that check instead of being refused).
+_ARGUMENT_GIB = 120
+
+
+@pytest.mark.parametrize("name", sorted(generations.GENERATIONS))
+def test_hbm_capacity_is_what_the_compiler_allocates_from_to_a_few_percent(name):
+    """``hbm_bytes`` is the published capacity; the compiler's own refusal says what it allocates from.
+
+    The relation checked: the compiler's usable HBM per device is 95-101 % of the published capacity
+    per device. Below, because the compiler keeps some HBM for itself (0.25 GiB on v5e, v5p and v6e:
+    16 GiB -> 15.75, 32 -> 31.25) and each v4 TensorCore 0.75 GiB of its 16 (15.25); above, because
+    "95 GB" is rounded (libtpu allocates 95.74 GiB on v5p). libtpu's v4 compile-only devices are
+    TensorCores, two per chip (8 for v4:2x2x1's 4 chips), so a v4 device has half a chip's HBM.
+    A capacity off by a factor (v6e's 32 GiB set to 16) or by 1 GiB on v5e (16 -> 15 or 17) fails.
+    """
+    pytest.importorskip("libtpu")
+    import jax
+    import jax.numpy as jnp
+
+    from torchattn.aot import compile_jax
+    from torchattn.aot.compiler import slice_devices
+
+    chip = generations.get(name)
+    chips = math.prod(int(n) for n in chip.topology.partition(":")[2].split("x"))
+    per_device = chip.hbm_bytes * chips / len(slice_devices(name))
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
+        compile_jax(jnp.sum, [jax.ShapeDtypeStruct((_ARGUMENT_GIB * GiB // 4,), jnp.float32)], name, "sum")
+    used, usable = _HBM_REFUSAL.search(" ".join(str(refused.value).split())).groups()
+    assert float(used) == _ARGUMENT_GIB  # the units: G is GiB
+    assert 0.95 * per_device <= float(usable) * GiB <= 1.01 * per_device, (name, usable, per_device / GiB)

@@ -118,10 +118,22 @@ def test_long_full_attention_reaches_seven_ninths_of_peak(generation):
 
 
 def test_a_memory_bound_part_takes_its_bytes_over_the_bandwidth():
-    part = roofline.roofline(_attention(512), "v6e")["forward"]
-    assert part.bound == "memory"
-    assert part.seconds == part.work.bytes_accessed / generations.get("v6e").hbm_bytes_per_s
-    assert roofline.roofline(_attention(512), "v6e")["backward_dq"].utilisation is None
+    """One 512-token tile per head (as in test_one_tile_per_head_moves_each_operand_exactly_once), 2 heads,
+    counted by hand: 2 matmuls of 2 * 512 * 512 * 128 FLOPs per head, and q, k, v, out (bf16, 128 lanes)
+    plus the float32 lse over 128 lanes moved once per head. v6e's published 918 TFLOP/s and 1640 GB/s
+    make this forward memory-bound: 0.29 us of compute, 0.96 us of transfers."""
+    flops = 2 * 2 * (2 * 512 * 512 * LANES)
+    moved = 2 * (4 * 512 * LANES * BF16 + 512 * LANES * 4)
+    parts = roofline.roofline(_attention(512), "v6e", BlockSizes(512, 512, 512, 512))
+    forward = parts["forward"]
+    assert (forward.work.flops, forward.work.bytes_accessed) == (flops, moved)
+    assert forward.bound == "memory"
+    assert forward.compute_s == pytest.approx(flops / 918e12, rel=1e-12)
+    assert forward.seconds == forward.memory_s == pytest.approx(moved / 1640e9, rel=1e-12)
+    # A pass's time is the sum of its kernels' (they run one after another), each at its own bound.
+    assert parts["total"].seconds == pytest.approx(sum(parts[k].seconds for k in roofline.KERNELS), rel=1e-12)
+    assert parts["total"].seconds >= max(parts["total"].compute_s, parts["total"].memory_s)
+    assert parts["backward_dq"].utilisation is None
 
 
 # --- scripts/roofline.py ---

@@ -4,8 +4,12 @@ compiler, with torchattn (its pallas kernels as tpu_custom_calls) and with eager
 from __future__ import annotations
 
 import csv
+import json
+import shutil
 
 import pytest
+import torch
+import transformers
 
 pytest.importorskip("torch_xla")
 pytest.importorskip("libtpu")
@@ -13,13 +17,24 @@ pytest.importorskip("libtpu")
 import torch_xla.debug.metrics as met  # noqa: E402
 
 from train import compile_only  # noqa: E402
+from train.config import ConfigError  # noqa: E402
 from train.__main__ import main  # noqa: E402
 
 GiB = 1 << 30
 # 4 heads x 2048 x 2048 float32 scores (64 MiB) per layer dwarf the tiny Llama's other activations (hidden
 # size 32), and exceed what the compiler keeps in VMEM instead of HBM: eager's temporaries must exceed
-# torchattn's by at least one layer's scores. (Rotary positions: no table limits the length.)
+# torchattn's by at least one layer's scores.
 LENGTH = 2048
+
+
+@pytest.fixture(scope="module")
+def long_llama(llama, tmp_path_factory):
+    """The tiny Llama allowing LENGTH positions (rotary: the weights do not depend on the limit)."""
+    folder = tmp_path_factory.mktemp("long-llama")
+    shutil.copytree(llama, folder, dirs_exist_ok=True)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"max_position_embeddings": LENGTH}))
+    return str(folder)
 
 
 def _flags(llama, report, *more):
@@ -28,12 +43,12 @@ def _flags(llama, report, *more):
 
 
 @pytest.mark.slow
-def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(llama, tmp_path, capsys):
+def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(long_llama, tmp_path, capsys):
     report = tmp_path / "hbm.csv"
     executed = met.metric_data("ExecuteTime")
     before = executed[0] if executed else 0
 
-    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", str(LENGTH),
+    status = main(_flags(long_llama, report, "--compile-only", "v5e", "--compile-lengths", str(LENGTH),
                          "--compile-attn", "torchattn,eager", "--output-dir", str(tmp_path / "run")))
 
     assert status == 0
@@ -45,9 +60,15 @@ def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(llama, tmp_pa
     assert torchattn["fits"] == eager["fits"] == "True"
     # Forward, dq and dk/dv kernels per layer (2 layers) reached the compiler; eager has none.
     assert int(torchattn["tpu_custom_calls"]) >= 6 and int(eager["tpu_custom_calls"]) == 0
+    with torch.device("meta"):
+        parameters = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(long_llama)).parameters())
+    state = 4 * 4 * parameters  # float32 parameters, gradients and AdamW's two moments
     for row in rows.values():
-        assert int(row["argument_bytes"]) > 0 and int(row["output_bytes"]) > 0  # the loss at least
-        assert int(row["total_bytes"]) >= int(row["argument_bytes"]) + int(row["temp_bytes"])
+        # The step's arguments hold the whole training state (the TPU pads small tensors to its tiles:
+        # a few % more); the state it updates overwrites them, so new outputs are the loss and padding.
+        assert state <= int(row["argument_bytes"]) <= 1.05 * state
+        assert 0 < int(row["output_bytes"]) < state / 16
     # The same parameters and optimizer state (eager adds a few scalars).
     assert abs(int(torchattn["argument_bytes"]) - int(eager["argument_bytes"])) < 4096
     assert int(eager["temp_bytes"]) > int(torchattn["temp_bytes"]) + 4 * LENGTH * LENGTH * 4
@@ -67,18 +88,22 @@ def test_bad_topology_is_one_line_naming_the_flag(llama, tmp_path, capsys, topol
     assert not (tmp_path / "hbm.csv").exists()
 
 
-def test_refusal_reports_the_bytes_the_compiler_needed(monkeypatch):
-    import torchattn.aot
+def _summing(gib: float) -> str:
+    """StableHLO of a program that sums a float32 argument of ``gib`` GiB."""
+    import jax
+    import jax.numpy as jnp
 
-    def refuse(*args, **kwargs):
-        raise RuntimeError("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory "
-                           "space hbm. Used 19.50G of 15.75G hbm. Exceeded hbm capacity by 3.75G.")
+    return jax.jit(jnp.sum).lower(jax.ShapeDtypeStruct((int(gib * GiB) // 4,), jnp.float32)).as_text()
 
-    monkeypatch.setattr(torchattn.aot, "compile_stablehlo", refuse)
-    target = compile_only.Target("v5e", "v5e", 1)
-    row = compile_only.compile_row("custom_call @tpu_custom_call(", 0, target, "eager", 32768)
-    assert not row.fits and row.total_bytes == int(19.5 * GiB)
-    assert "does not fit (needs 19.50)" in compile_only.table([row], target)
+
+@pytest.mark.parametrize("generation, gib", [("v5e", 19.5), ("v6e", 40.75)])
+def test_refusal_reports_the_bytes_the_compiler_needed(generation, gib):
+    # libtpu's own refusal of arguments larger than the chip's HBM ("Used 19.50G of 15.75G hbm").
+    target = compile_only.Target(generation, generation, 1)
+    row = compile_only.compile_row(_summing(gib), 0, target, "eager", 32768)
+    assert not row.fits and row.error == "does not fit"
+    assert row.total_bytes == int(gib * GiB)
+    assert f"does not fit (needs {gib:.2f})" in compile_only.table([row], target)
 
 
 def test_extrapolation_is_linear_per_layer_and_judged_against_the_chip():
@@ -96,6 +121,9 @@ def test_default_lengths_are_max_length_then_powers_of_two_to_the_position_limit
     config = parse_args(["--max-length", "2048", "--compile-only", "v5e"])
     assert compile_only.lengths(config, 8192) == [2048, 4096, 8192]
     assert compile_only.lengths(config, None)[-1] == 32768
+    with pytest.raises(ConfigError, match=r"^--max-length: expected lengths up to 1024, the position limit of "
+                                          r"--model 'minilm', got 2048$"):
+        compile_only.lengths(config, 1024)
 
 
 def test_after_a_refusal_longer_lengths_are_skipped_and_a_trace_error_is_a_row(llama, tmp_path, monkeypatch, capsys):
@@ -104,18 +132,46 @@ def test_after_a_refusal_longer_lengths_are_skipped_and_a_trace_error_is_a_row(l
             raise RuntimeError("Expected query, key, and value to have the same dtype")
         return "", 0
 
-    def compile_(text, donated, target, attn, length):  # 1 GiB per 1024 tokens; the chip holds 16
-        need = length // 1024 * GiB
+    def compile_(text, donated, target, attn, length):  # 1 GiB per 8 tokens; the chip holds 16
+        need = length // 8 * GiB
         return compile_only.Row(attn, length, need <= 16 * GiB, argument_bytes=need, total_bytes=need)
 
     monkeypatch.setattr(compile_only, "step_graph", trace)
     monkeypatch.setattr(compile_only, "compile_row", compile_)
     report = tmp_path / "hbm.csv"
-    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "8192,32768,65536",
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "64,256,512",
                          "--compile-attn", "torchattn,sdpa"))
     assert status == 0
     rows = [(row["attn"], row["length"], row["fits"], row["error"]) for row in csv.DictReader(report.open())]
-    assert rows[:3] == [("torchattn", "8192", "True", ""), ("torchattn", "32768", "False", ""),
-                        ("torchattn", "65536", "False", "not compiled: 32768 does not fit")]
+    assert rows[:3] == [("torchattn", "64", "True", ""), ("torchattn", "256", "False", ""),
+                        ("torchattn", "512", "False", "not compiled: 256 does not fit")]
     assert [error.startswith("step does not trace: Expected query") for *_, error in rows[3:]] == [True] * 3
-    assert "torchattn  8192" in capsys.readouterr().out
+    assert "torchattn  64" in capsys.readouterr().out
+
+
+def test_compile_lengths_beyond_the_position_limit_are_refused_up_front(llama, tmp_path, capsys):
+    # The tiny Llama's config allows 512 positions (python -m train refuses --max-length beyond it too).
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "256,1024",
+                         "--compile-attn", "eager"))
+    error = capsys.readouterr().err
+    assert status == 2, error
+    assert error.startswith("python -m train: error: --compile-lengths:") and error.count("\n") == 1, error
+    assert "1024" in error and "512" in error
+    assert not report.exists()
+
+
+def test_ctrl_c_stops_the_sweep_with_one_line_and_status_130(llama, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(compile_only, "step_graph", interrupted)
+    report = tmp_path / "hbm.csv"
+    try:
+        status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "512"))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped main(): python -m train prints a traceback")
+    captured = capsys.readouterr()
+    assert status == 130
+    assert captured.err.startswith("python -m train: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err + captured.out

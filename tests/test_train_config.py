@@ -52,6 +52,18 @@ def test_config_file_over_recipe_and_flags_over_file(tmp_path, suffix, body):
     assert parse_args(["--config", str(path), "--max-length", "512", "--model", "m"]).max_length == 512
 
 
+def test_config_file_numbers_yaml_reads_as_strings_convert_as_their_flags_would(tmp_path):
+    # YAML 1.1 (PyYAML) reads 1e-3 as the string "1e-3" (a float needs a dot: 1.0e-3); --lr 1e-3 is 0.001.
+    path = tmp_path / "run.yaml"
+    path.write_text("lr: 1e-3\nweight-decay: 5E-2\nmax-steps: '20'\nmax-length: 64\n")
+    config = parse_args(["--config", str(path)])
+    assert (config.lr, config.weight_decay, config.max_steps, config.max_length) == (0.001, 0.05, 20, 64)
+    path.write_text("lr: 1e-3x\n")
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--config", str(path)])
+    assert str(error.value) == f"{path}: lr: expected float, got '1e-3x'"
+
+
 def test_resume_takes_the_saved_configuration(tmp_path):
     saved = parse_args(["--recipe", "sotu-lm", "--max-length", "256", "--output-dir", str(tmp_path)])
     save_config(saved, str(tmp_path / "config.json"))
@@ -82,7 +94,11 @@ def test_mesh_axes_in_layout_order_from_flag_and_file(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('mesh = "data=2,fsdp=2"\nbatch-size = 8\n')
     assert parse_args(["--config", str(path)]).mesh == "data=2,fsdp=2"
-    assert parse_args([]).mesh is None, "no --mesh: one device, as before"
+    assert parse_args([]).mesh == "auto", "no --mesh: decided by the devices (train/parallel.py, default_mesh)"
+    assert parse_args(["--mesh", "none"]).mesh is None, "one device"
+    assert parse_args(["--mesh", "auto", "--batch-size", "3"]).mesh == "auto", "no batch check before the count"
+    path.write_text("mesh = \"none\"\n")  # TOML has no null
+    assert parse_args(["--config", str(path)]).mesh is None, "the flag's none"
 
 
 MESH_EXPECTED = ("expected axis=size pairs separated by commas, axes from data, fsdp, model (each at most once), "

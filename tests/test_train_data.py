@@ -11,6 +11,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -149,6 +150,49 @@ def test_label_folder_tree(tmp_path):
     assert pairs == {(row["body"], row["topic"]) for row in ROWS}
 
 
+def _label_folder_tree(root: pathlib.Path) -> None:
+    for i, row in enumerate(ROWS):
+        (root / row["topic"]).mkdir(exist_ok=True)
+        (root / row["topic"] / f"{i}.txt").write_text(row["body"])
+
+
+def test_label_folders_skip_hidden_entries_and_count_them(tmp_path):
+    _label_folder_tree(tmp_path)
+    (tmp_path / ".ipynb_checkpoints").mkdir()  # Jupyter's copies: not a label
+    (tmp_path / ".ipynb_checkpoints" / "0-checkpoint.txt").write_text("a notebook's copy")
+    (tmp_path / "cats" / ".hidden.txt").write_text("an editor's backup")
+    (tmp_path / "dogs" / "._1.txt").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X        ")  # AppleDouble
+    with pytest.warns(UserWarning) as caught:
+        splits = splits_of(tmp_path)
+    hidden = [str(w.message) for w in caught if "hidden" in str(w.message)]
+    assert len(hidden) == 1 and "skipped 3 hidden" in hidden[0], [str(w.message) for w in caught]
+    assert splits["train"].features["label"].names == ["birds", "cats", "dogs"]
+    pairs = set(zip(list(splits["train"]["text"]) + list(splits["eval"]["text"]),
+                    label_names(splits["train"]) + label_names(splits["eval"])))
+    assert pairs == {(row["body"], row["topic"]) for row in ROWS}
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])
+def test_label_folder_file_in_utf16_or_32_is_refused_naming_it(tmp_path, encoding):
+    # utf-16 and utf-32 start with a byte order mark; utf-16-le has none but NUL bytes in ASCII text.
+    _label_folder_tree(tmp_path)
+    wide = tmp_path / "cats" / "wide.txt"
+    wide.write_bytes("a cat sat on the mat".encode(encoding))
+    with pytest.raises(DataError) as e:
+        splits_of(tmp_path)
+    assert one_line(e).startswith("--dataset: ") and str(wide) in one_line(e) and "UTF-8" in one_line(e)
+
+
+def test_label_folder_reads_utf8_with_or_without_a_bom_and_latin1(tmp_path):
+    # Latin-1 as in BBC News' sports/199.txt (0xA3 is the pound sign); a UTF-8 BOM is not text.
+    _label_folder_tree(tmp_path)
+    (tmp_path / "cats" / "latin1.txt").write_bytes("a cat costs £5".encode("latin-1"))
+    (tmp_path / "cats" / "bom.txt").write_bytes("a cat from Notepad ß".encode("utf-8-sig"))
+    splits = splits_of(tmp_path)
+    texts = set(splits["train"]["text"]) | set(splits["eval"]["text"])
+    assert {"a cat costs £5", "a cat from Notepad ß"} <= texts
+
+
 def test_integer_labels_and_duplicates(tmp_path):
     rows = [{"text": f"text {i % 12}", "label": i % 3} for i in range(24)]  # each text twice, same label
     rows += [{"text": "contested", "label": 0}, {"text": "contested", "label": 1}, {"text": "  ", "label": 2}]
@@ -232,9 +276,23 @@ def test_missing_labels_texts_that_are_not_text_and_too_few_documents(tmp_path):
     with pytest.raises(DataError, match=r"^--text-column: 'text' of '.*numbers.jsonl' holds int values, expected"):
         splits_of(write(tmp_path / "numbers.jsonl", [{"text": 5, "label": "x"}, {"text": 6, "label": "y"}]))
     one_per_label = write(tmp_path / "few.jsonl", [{"text": t, "label": t} for t in "abc"])
-    with pytest.raises(DataError, match=r"^--dataset: the eval split of '.*few.jsonl' is empty: eval_fraction 0.2 of "
-                                        r"each label's documents rounds to none$"):
+    with pytest.raises(DataError, match=r"^--dataset: the eval split of '.*few.jsonl' is empty: the data set is too "
+                                        r"small: every label has one document, which training keeps"):
         splits_of(one_per_label)
+
+
+@pytest.mark.parametrize("per_label, fraction", [(3, 0.1), (7, 0.05), (2, 0.2), (40, 0.01)])
+def test_a_fraction_that_holds_out_nothing_is_refused_with_one_that_works(tmp_path, per_label, fraction):
+    rows = [{"text": f"{label} text {i}", "label": label} for label in "xyz" for i in range(per_label)]
+    path = write(tmp_path / "d.jsonl", rows)
+    with pytest.raises(DataError) as e:
+        splits_of(path, eval_fraction=fraction)
+    suggested = re.search(r"--eval-fraction (0\.\d+) or more", one_line(e))
+    assert suggested, one_line(e)
+    assert len(splits_of(path, eval_fraction=float(suggested.group(1)))["eval"]) > 0
+    # Not needlessly large: a hundredth less holds out nothing.
+    with pytest.raises(DataError):
+        splits_of(path, eval_fraction=float(suggested.group(1)) - 0.01)
 
 
 def test_evaluation_labels_unseen_in_training(tmp_path):
@@ -307,7 +365,7 @@ def test_tokenize_classification_truncates_with_special_tokens(minilm_tokenizer)
 
 
 def test_tokenize_lm_packs_every_document():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     words = [f"w{i}" for i in range(50)]
     documents = [" ".join(rng.choice(words, size=rng.integers(1, 40))) for _ in range(9)]
     tokenizer = word_tokenizer(words)
@@ -342,7 +400,7 @@ def test_length_buckets():
 
 
 def classification_rows(n: int, longest: int) -> datasets.Dataset:
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(n)
     lengths = rng.integers(2, longest + 1, size=n)
     return datasets.Dataset.from_dict({"input_ids": [rng.integers(5, 1000, size=k).tolist() for k in lengths],
                                        "label": rng.integers(0, 4, size=n).tolist()})

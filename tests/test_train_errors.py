@@ -5,6 +5,7 @@ output folder (an existing one is left as it was)."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import datasets
 import pytest
@@ -152,3 +153,43 @@ def test_bad_flag_values(capsys, tmp_path, monkeypatch, argv, expected):
     monkeypatch.chdir(tmp_path)
     fails(capsys, argv, expected, argv[-1])
     assert os.listdir(tmp_path) == []
+
+
+# --- issue 18: tracebacks and wrong hints that became one-line errors ----------------------------
+
+def test_model_folder_without_weights(capsys, tmp_path, bert, docs_csv):
+    folder = tmp_path / "no-weights"
+    shutil.copytree(bert, folder, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    fails(capsys, ["--model", str(folder), "--dataset", docs_csv, "--output-dir", str(tmp_path / "run")],
+          "--model", str(folder), "model.safetensors")
+
+
+@pytest.mark.parametrize("name, reason", [("folder", "not a valid JSON"), ("fake.gguf", "GGUF")])
+def test_local_model_that_does_not_load_is_not_blamed_on_the_network(capsys, tmp_path, bert, docs_csv, name, reason):
+    if name == "folder":  # a folder whose config.json is cut short
+        model = tmp_path / "folder"
+        shutil.copytree(bert, model)
+        (model / "config.json").write_text('{"model_type": "bert", ')
+    else:
+        model = tmp_path / name
+        model.write_bytes(b"not a model, whatever its name says" * 8)
+    line = fails(capsys, ["--model", str(model), "--dataset", docs_csv, "--output-dir", str(tmp_path / "run")],
+                 "--model", str(model), reason)
+    assert "hub" not in line and "network" not in line
+
+
+def test_csv_that_is_not_utf8_names_the_decoding_error(capsys, caplog, tmp_path, bert):
+    path = tmp_path / "latin1.csv"
+    rows = "".join(f"the price of item {i} is \xa3{i},x\n" for i in range(30))
+    path.write_bytes(("text,label\n" + rows).encode("latin-1"))
+    fails(capsys, ["--model", bert, "--dataset", str(path), "--output-dir", str(tmp_path / "run")],
+          "--dataset", "latin1.csv", "can't decode byte 0xa3", "UTF-8")
+    # datasets' reader logs the same error on stderr unless told not to: a second and third line.
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("datasets")]
+
+
+def test_two_documents_of_two_labels_are_too_few_to_evaluate(capsys, tmp_path, bert):
+    tiny = train_tiny.write_csv(str(tmp_path / "two.csv"), [("a text about cats", "cats"), ("one on dogs", "dogs")])
+    line = fails(capsys, ["--model", bert, "--dataset", tiny, "--output-dir", str(tmp_path / "run")],
+                 "--dataset", "two.csv", "too small")
+    assert "--eval-fraction" not in line  # no fraction holds out a document here

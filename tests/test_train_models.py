@@ -275,6 +275,9 @@ def test_errors_name_the_flag(tiny, tmp_path):
         (dict(dropout=1.0), "--dropout: expected a probability in [0, 1), got 1.0"),
         (dict(num_labels=None), "num_labels: expected an int >= 2 for classification, got None"),
         (dict(task="regression"), "--task: expected one of classification, lm, got 'regression'"),
+        (dict(label_names=["a", "b"]), "label_names: expected 3 names (num_labels), got 2"),
+        (dict(task="lm", num_labels=None, label_names=["a", "b"]),
+         "label_names: only --task classification has labels, got 2 names with --task lm"),
     ]
     (tmp_path / "weights.bin").write_bytes(b"\0")
     cases.append((dict(model=str(tmp_path / "weights.bin")), "--model: '"))

@@ -21,6 +21,15 @@ def test_hand_packed_rows():
     assert rows["labels"].tolist() == [[-100, 12, 13, EOS], [-100, 15, EOS, -100]]
 
 
+def test_hand_packed_document_starting_mid_row():
+    # Rows of 5: [11 12 EOS | 13 14] [15 EOS | 16 EOS | PAD]: the second document starts at column 3,
+    # the third at column 2 of the next row, after the second's continuation.
+    rows = pack_documents([[11, 12], [13, 14, 15], [16]], row_length=5, eos_id=EOS, pad_id=PAD)
+    assert rows["input_ids"].tolist() == [[11, 12, EOS, 13, 14], [15, EOS, 16, EOS, PAD]]
+    assert rows["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 0]]
+    assert rows["labels"].tolist() == [[-100, 12, EOS, -100, 14], [15, EOS, -100, EOS, -100]]
+
+
 def test_document_longer_than_a_row_continues_in_the_next():
     rows = pack_documents([[11, 12, 13, 14, 15]], row_length=4, eos_id=EOS, pad_id=PAD)
     assert rows["input_ids"].tolist() == [[11, 12, 13, 14], [15, EOS, PAD, PAD]]
@@ -48,7 +57,7 @@ def _walk(documents, row_length):
 
 @pytest.mark.parametrize("row_length", [2, 7, 64])
 def test_random_documents_round_trip(row_length):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(row_length)
     documents = [rng.integers(2, 1000, size=rng.integers(0, 3 * row_length)).tolist() for _ in range(12)]
     documents[0] = rng.integers(2, 1000, size=row_length + 5).tolist()  # one always crosses a row end
     rows = pack_documents(documents, row_length=row_length, eos_id=EOS, pad_id=PAD)
@@ -90,7 +99,7 @@ def test_model_sees_each_packed_segment_alone(attn):
         attn_implementation="sdpa" if attn == "torchattn" else attn).eval()
     if attn == "torchattn":
         patches.patch(model, backend="reference")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(0)
     documents = [rng.integers(2, 50, size=n).tolist() for n in rng.integers(1, 20, size=6)]
     rows = pack_documents(documents, row_length=16, eos_id=EOS, pad_id=PAD)
     input_ids, position_ids = torch.from_numpy(rows["input_ids"]), torch.from_numpy(rows["position_ids"])

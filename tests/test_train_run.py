@@ -4,8 +4,11 @@ a few steps of each real recipe at small lengths."""
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
+import math
 import os
 import re
 
@@ -114,11 +117,87 @@ print(json.dumps({{"logits": logits.tolist(), "loaded": sorted(m for m in ("torc
     torch.testing.assert_close(torch.tensor(loaded["logits"]), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_lm_run_reports_perplexity_before_and_after(llama, docs_csv, tmp_path, capsys):
-    out = str(tmp_path / "lm")
-    code = main(["--model", llama, "--dataset", docs_csv, "--task", "lm", "--max-length", "128", "--batch-size", "2",
-                 "--max-steps", "6", "--lr", "3e-3", "--log-steps", "1", "--output-dir", out])
-    printed = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def lm_run(llama, docs_csv, tmp_path_factory):
+    """Six steps of the tiny Llama, evaluated before and after: (exit code, printed text, output folder)."""
+    out = str(tmp_path_factory.mktemp("runs") / "lm")
+    with contextlib.redirect_stdout(io.StringIO()) as printed:
+        code = main(["--model", llama, "--dataset", docs_csv, "--task", "lm", "--max-length", "128",
+                     "--batch-size", "2", "--max-steps", "6", "--lr", "3e-3", "--log-steps", "1", "--output-dir", out])
+    return code, printed.getvalue(), out
+
+
+def test_saved_classifier_names_its_labels(classification_run):
+    *_, out = classification_run
+    model_dir = os.path.join(out, "model")
+    names = sorted(train_tiny.TOPICS)  # the csv's labels, in the order the data set numbers them
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    assert config.id2label == dict(enumerate(names)) and config.label2id == {n: i for i, n in enumerate(names)}
+    texts = ["the team won the cup with a late goal", "a new phone chip runs the app faster", "soup and bread"]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    with torch.no_grad():
+        best = model(**tokenizer(texts, return_tensors="pt", padding=True)).logits.argmax(dim=-1)
+    classify = transformers.pipeline("text-classification", model=model_dir, device="cpu")
+    assert [r["label"] for r in classify(texts)] == [names[i] for i in best]
+
+
+def test_final_classification_metrics_match_a_count_of_the_saved_model(classification_run):
+    trainer, _, out = classification_run
+    model_dir = os.path.join(out, "model")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir, attn_implementation="eager")
+    truth, predicted = [], []
+    for batch in trainer.eval_loader.epoch(0):
+        real = batch["labels"] != -100  # rows that only fill the last batch up
+        with torch.no_grad():
+            logits = model.eval()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        truth += batch["labels"][real].tolist()
+        predicted += logits.argmax(dim=-1)[real].tolist()
+    assert len(truth) == 12, "60 documents, 20 per topic, 4 of each held out"
+    f1s = []
+    for label in set(truth) | set(predicted):
+        hits = sum(t == p == label for t, p in zip(truth, predicted))
+        false_positives = sum(p == label != t for t, p in zip(truth, predicted))
+        misses = sum(t == label != p for t, p in zip(truth, predicted))
+        f1s.append(2 * hits / (2 * hits + false_positives + misses))
+    correct = sum(t == p for t, p in zip(truth, predicted))
+    assert 0 < correct < 12, "with every row right (or wrong), accuracy would not see a row left out"
+    final = [r for r in records(out) if r.get("eval")][-1]
+    assert final["step"] == 36
+    assert final["accuracy"] == pytest.approx(correct / 12, abs=1e-12)
+    assert final["macro_f1"] == pytest.approx(sum(f1s) / len(f1s), abs=1e-12)
+
+
+def test_final_perplexity_matches_a_count_of_the_saved_model(lm_run, docs_csv):
+    from train.data import load_splits, tokenize_lm
+
+    code, _, out = lm_run
+    assert code == 0
+    model_dir = os.path.join(out, "model")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="eager").eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    splits = load_splits(docs_csv, task="lm", text_column=None, label_column=None, eval_fraction=0.2, seed=0)
+    rows = tokenize_lm(splits, tokenizer, 128)["eval"]
+    assert any(labels[0] != -100 for labels in rows["labels"]), "a document continuing into the next row"
+    nll, tokens = 0.0, 0
+    for input_ids, position_ids, labels in zip(rows["input_ids"], rows["position_ids"], rows["labels"]):
+        # Each packed document alone (positions restart at its start): token t predicts label t + 1.
+        starts = [i for i, p in enumerate(position_ids) if p == 0] + [len(input_ids)]
+        for start, end in zip(starts, starts[1:]):
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([input_ids[start:end]])).logits[0, :-1]
+            targets = torch.tensor(labels[start + 1:end])
+            counted = targets != -100
+            nll += torch.nn.functional.cross_entropy(logits[counted], targets[counted], reduction="sum").item()
+            tokens += int(counted.sum())
+    final = [r for r in records(out) if r.get("eval")][-1]
+    assert final["step"] == 6
+    # Observed 6e-7 apart (XLA with torchattn vs CPU eager); counting the unshifted tokens moved it 1.2e-4.
+    assert final["perplexity"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
+
+
+def test_lm_run_reports_perplexity_before_and_after(lm_run):
+    code, printed, out = lm_run
     assert code == 0
     evals = [r for r in records(out) if r.get("eval")]
     assert [r["step"] for r in evals] == [0, 6]
@@ -128,13 +207,53 @@ def test_lm_run_reports_perplexity_before_and_after(llama, docs_csv, tmp_path, c
     assert os.path.isfile(os.path.join(out, "model", "config.json"))
 
 
+@pytest.mark.parametrize("config_class, fields", [
+    (transformers.MistralConfig, dict(sliding_window=128)),
+    # Gemma 3, not 2: transformers refuses Gemma 2 with sdpa, which --attn torchattn loads it with.
+    (transformers.Gemma3TextConfig, dict(sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+                                         query_pre_attn_scalar=8)),
+], ids=["mistral", "gemma3"])
+@pytest.mark.filterwarnings("ignore:torchattn. Gemma3ForCausalLM dispatches through AttentionInterface")
+def test_sliding_window_wider_than_max_length_trains_and_evaluates(config_class, fields, docs_csv, tmp_path):
+    # A KV cache of a window wider than the batch slices keys at [-window + 1:], which XLA refuses.
+    model = train_tiny.save_tiny_causal_lm(str(tmp_path / "random"), config_class, **fields)
+    out = tmp_path / "run"
+    assert main(["--model", model, "--dataset", docs_csv, "--task", "lm", "--max-length", "64", "--batch-size", "2",
+                 "--max-steps", "2", "--eval-batches", "1", "--log-steps", "1", "--output-dir", str(out)]) == 0
+    evals = [r for r in records(out) if r.get("eval")]
+    assert [r["step"] for r in evals] == [0, 2] and all(math.isfinite(r["perplexity"]) for r in evals), evals
+    with open(out / "model" / "config.json") as f:
+        saved = json.load(f)
+    assert saved["sliding_window"] == 128 and saved["use_cache"] is True, "generation with the saved model caches"
+
+
+def test_compile_only_traces_a_sliding_window_wider_than_the_length(tmp_path):
+    from train import compile_only, models
+
+    model = train_tiny.save_tiny_causal_lm(str(tmp_path / "random"), transformers.MistralConfig, sliding_window=128)
+    config = parse_args(["--model", model, "--task", "lm", "--max-length", "64", "--batch-size", "2"])
+    model_config, _, _ = models.model_config(model, task="lm", num_labels=None)
+    try:
+        text, _ = compile_only.step_graph(model_config, config, "torchattn", 64)  # the step --compile-only compiles
+    except RuntimeError as e:  # no traceback: pytest's would read the placeholder weights, which aborts
+        pytest.fail(f"tracing the step failed: {e}", pytrace=False)
+    assert "stablehlo" in text
+
+
 def test_classification_scores_against_hand_counts():
     predictions = torch.tensor([0, 0, 1, 2, 2, 2]).numpy()
     labels = torch.tensor([0, 1, 1, 2, 2, 0]).numpy()
-    # label 0: tp 1, predicted 2, actual 2 -> F1 1/2; label 1: tp 1, 1, 2 -> 2/3; label 2: tp 2, 3, 2 -> 4/5
-    scores = classification_scores(predictions, labels, 4)  # label 3 never occurs: F1 0
+    # label 0: tp 1, predicted 2, actual 2 -> F1 1/2; label 1: tp 1, 1, 2 -> 2/3; label 2: tp 2, 3, 2 -> 4/5.
+    # Labels in neither (3, 4, ... of the data set) do not count, as in scikit-learn's default.
+    scores = classification_scores(predictions, labels)
     assert scores["accuracy"] == pytest.approx(4 / 6)
-    assert scores["macro_f1"] == pytest.approx((1 / 2 + 2 / 3 + 4 / 5 + 0) / 4)
+    assert scores["macro_f1"] == pytest.approx((1 / 2 + 2 / 3 + 4 / 5) / 3)
+    # Perfect predictions on the labels present: 1, however many labels the data set has.
+    assert classification_scores(torch.tensor([3, 1]).numpy(), torch.tensor([3, 1]).numpy()) == {
+        "accuracy": 1.0, "macro_f1": 1.0}
+    # A label only predicted counts, with F1 0: label 0 tp 1, 1, 2 -> 2/3; label 1 tp 0 -> 0.
+    scores = classification_scores(torch.tensor([0, 1]).numpy(), torch.tensor([0, 0]).numpy())
+    assert scores == {"accuracy": 0.5, "macro_f1": pytest.approx((2 / 3 + 0) / 2)}
 
 
 def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):

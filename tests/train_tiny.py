@@ -45,13 +45,19 @@ def save_tiny_bert(folder: str, max_positions: int = 128) -> str:
 
 def save_tiny_llama(folder: str) -> str:
     """A 2-layer Llama (hidden 32, 4 query / 2 key-value heads) with random weights."""
+    return save_tiny_causal_lm(folder, transformers.LlamaConfig, use_cache=False)
+
+
+def save_tiny_causal_lm(folder: str, config_class: type, **fields) -> str:
+    """A 2-layer decoder of ``config_class`` (hidden 32, 4 query / 2 key-value heads of 8, 512 positions)
+    with random weights; ``fields`` add or replace config fields (``sliding_window=...``)."""
     tokenizer = minilm_tokenizer()
     tokenizer.eos_token = "[SEP]"
-    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                      max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, use_cache=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    config = config_class(**{**dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                                    max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+                                    eos_token_id=tokenizer.eos_token_id), **fields})
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
 

@@ -82,7 +82,9 @@ def flash_attention(
         backend: "auto", "pallas", "interpret", "xla", "reference" or "sdpa";
             see :func:`explain`.
 
-    A query row that sees no key returns 0 with lse -inf and gets zero gradient.
+    A query row that sees no key returns 0 with lse -inf and gets zero gradient. A NaN or
+    +inf score (NaN in q or k, an overflowing scale) makes its row's output NaN and its lse
+    NaN or +inf, as in the dense math; a -inf score (from the bias) hides its key like a mask.
     Where a bool, int or float is meant, NumPy scalars of that kind are accepted.
 
     The ``pallas``, ``interpret`` and ``xla`` backends support ``torch.func.grad``
@@ -149,13 +151,12 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
         raise ValueError(f"q, k: expected every dim >= 1, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q_heads % kv_heads:
         raise ValueError(f"q_heads: expected a multiple of kv_heads={kv_heads}, got {q_heads}")
-    if head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim: expected <= {MAX_HEAD_DIM}, got {head_dim}")
+    check_head_dim(head_dim)
 
     causal = _check_bool("causal", causal)
     scale = _positive_float("scale", scale, default=head_dim**-0.5)
     softcap = _positive_float("softcap", softcap, default=None)
-    window = _check_window(window)
+    window = check_window(window)
     segment_ids, kv_segment_ids = _check_segments(segment_ids, kv_segment_ids, q, k)
     if segment_ids is not None:
         segment_ids, kv_segment_ids = segments.to_int32(segment_ids, kv_segment_ids)
@@ -186,7 +187,16 @@ def _positive_float(name, value, default):
     return float(value)
 
 
-def _check_window(window):
+# check_head_dim and check_window are shared with ``python -m torchattn.aot``'s flags.
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim: expected <= {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def check_window(window):
+    """The validated window: None or a (left, right) tuple of ints >= 0 or None."""
     if window is None:
         return None
     if not isinstance(window, (tuple, list)) or len(window) != 2:

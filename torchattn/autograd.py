@@ -117,21 +117,27 @@ class _BackwardFunction(torch.autograd.Function):
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """``options``: :meth:`Options.op_arguments`, passed through to the custom ops."""
+    """``options``: :meth:`Options.op_arguments` as one tuple, passed through to the custom ops.
+
+    One argument, not ``*options``: when no input needs grad, dynamo inlines ``forward`` and
+    decides whether to pass it a ctx by counting its parameters; a ``*args`` parameter makes it
+    pass one, which then reaches the custom op ("'AutogradFunctionContextVariable' object has
+    no attribute 'proxy'").
+    """
 
     @staticmethod
-    def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
+    def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options):
         return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options = inputs
+        q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options = inputs
         out, lse = output
         ctx.save_for_backward(q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key)
         ctx.impl, ctx.options = impl, options
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
+    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options):
         raise NotImplementedError(
             f"torch.vmap over torchattn.flash_attention is not supported on the {impl!r} backend: "
             "its kernels take exactly one batch dimension. Fold the mapped dimension into the batch "
@@ -146,7 +152,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         backward_op = _BackwardFunction.apply if torch.is_grad_enabled() else attention_backward
         dq, dk, dv, dbias = backward_op(dout, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids,
                                         bias, dropout_key, ctx.impl, bias_grad, *ctx.options)
-        return (dq, dk, dv, None, None, dbias if bias_grad else None, None, None) + (None,) * len(ctx.options)
+        return dq, dk, dv, None, None, dbias if bias_grad else None, None, None, None
 
 
 # Under SPMD the kernels run on each device's shard (torchattn/spmd.py): GSPMD cannot partition a custom
@@ -160,7 +166,7 @@ def blockwise_attention(request: Request, impl: str):
     options = request.options.op_arguments()
 
     def attention(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key):
-        return FlashAttentionFunction.apply(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options)
+        return FlashAttentionFunction.apply(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options)
 
     out, lse = spmd.run(request, attention, per_device=impl in PER_DEVICE)
     return out, (lse if request.return_lse else None)

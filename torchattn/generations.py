@@ -1,7 +1,11 @@
 """TPU generations: the numbers block sizes and VMEM limits are chosen from.
 
 Peak bf16 FLOP/s, HBM bandwidth and HBM capacity per chip are Google Cloud's
-published figures; VMEM per core is what libtpu 0.0.21's compiler reports for each
+published figures. libtpu 0.0.21's compiler allocates from 95-101 % of that capacity
+per device (it keeps 0.25 GiB for itself; v4's compile-only devices are TensorCores,
+two per chip, each with 15.25 of 16 GiB), as its out-of-memory refusals say
+("Used X of 15.75G hbm" on v5e; tests/test_generations.py reads them again).
+VMEM per core is what libtpu 0.0.21's compiler reports for each
 generation ("would exceed memory (size=...)", tests/test_tpu_compile.py reads
 it again). ``device_kind`` is the string a TPU device reports
 (``torch_xla.core.xla_model.xla_device_kind``, ``jax.Device.device_kind``);

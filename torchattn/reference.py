@@ -56,8 +56,8 @@ def attention_reference(
     left, right = masks.diagonal_bounds(causal, window)
     mask = masks.dense(q_len, kv_len, left=left, right=right, segment_ids=segment_ids,
                        kv_segment_ids=kv_segment_ids, device=q.device)  # (batch or 1, 1, q_len, kv_len)
-    if bias is not None:  # a -inf bias hides a key like a mask does (as in the blockwise backends)
-        mask = mask & (scores > float("-inf"))
+    if bias is not None:  # a -inf bias hides a key like a mask does (as in the blockwise backends); NaN does not
+        mask = mask & (scores != float("-inf"))
     # Rows that see nothing get finite dummy scores so logsumexp and its
     # gradient stay finite; their probabilities are zeroed below.
     row_sees = mask.any(dim=-1, keepdim=True)

@@ -69,7 +69,7 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
             if options.dropout_p > 0.0:  # the denominator counts dropped keys too
                 p = torch.where(_keep(lay, options, blk, tile), p, 0.0)
             acc = acc * alpha + p @ blk["v"]
-            seen = denom > 0
+            seen = denom != 0  # a NaN denominator (a NaN or +inf score) stays NaN in out and lse
             block_out = torch.where(seen, acc / (torch.where(seen, denom, 1.0) * (1.0 - options.dropout_p)), 0.0)
             block_lse = torch.where(seen, m_new + torch.log(denom), _NEG_INF)
             at = tile["q"].view(1)

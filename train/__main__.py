@@ -4,6 +4,7 @@
     python -m train --recipe sotu-lm --max-steps 20   # SmolLM2-135M on State of the Union speeches
     python -m train --output-dir runs/x --resume      # continue an interrupted run
     python -m train --mesh data=2,fsdp=2              # every device of the host(s), torch_xla SPMD
+                                                      # (default on a host with several: fsdp over all)
     python -m train --compile-only v5e                # HBM per TPU chip of one step, compiled here
     python -m train --help                            # every flag
 
@@ -27,10 +28,14 @@ def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> i
     log = logging.getLogger("train")
     log.setLevel(logging.INFO)
     log.addHandler(handler)
+    # Not also to the root logger's handlers: importing torch_xla calls logging.basicConfig(), whose
+    # stderr handler printed every warning a second time ("WARNING:train:...").
+    propagate, log.propagate = log.propagate, False
     try:
         return _run(argv, stop_at_step)
     finally:
         log.removeHandler(handler)
+        log.propagate = propagate
 
 
 def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
@@ -53,7 +58,7 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         except (ConfigError, DataError, ModelError) as error:
             return _bad_input(error)
     from .metrics import summary_table
-    from .trainer import Interrupted, Trainer
+    from .trainer import Interrupted, Stopped, Trainer
 
     try:
         trainer = Trainer(config, stop_at_step=stop_at_step)
@@ -61,11 +66,14 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         return _bad_input(error)
     try:
         print(f"output folder: {trainer.config.output_dir}", flush=True)
-        if trainer.spmd is not None:
-            print(f"mesh: {trainer.spmd.description}", flush=True)
+        if trainer.mesh_description is not None:
+            print(f"mesh: {trainer.mesh_description}", flush=True)
         summary = trainer.train()
     except Interrupted as stop:
         return 128 + stop.signum
+    except Stopped as error:
+        print(f"python -m train: stopped: {error}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     print(summary_table(summary))

@@ -11,21 +11,44 @@ and the XLA device. Two formats:
   each process holds whole tensors (no ``--mesh``).
 - ``<output_dir>/checkpoints/step-<step>/``, a folder, when tensors are sharded over a
   torch_xla SPMD mesh (train/sharded_checkpoint.py).
+
+Every checkpoint carries a SHA-256 digest and is verified before it loads: the file's digest is
+its zip comment (``unzip -z`` shows it; torch.load ignores it), the folder's is a SHA256SUMS file
+(``sha256sum -c`` checks it). A checkpoint that does not verify or lacks what the run needs is
+``Damaged``. After a save the new checkpoint is read back and verified before rotation removes
+older ones, so the newest intact checkpoint is never deleted for one that is not.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import os
 import random
 import re
 import shutil
+import struct
 
 import numpy as np
 import torch
 
+from . import durable, sharded_checkpoint
+from .durable import to_cpu
+
 DIRECTORY = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
 _TEMPORARY = re.compile(r"^step-(\d+)(\.pt)?\.tmp")
+
+# A checkpoint file is torch.save's zip archive with this comment: the SHA-256 of the archive as
+# torch.save wrote it (whose end-of-central-directory record says "no comment").
+_DIGEST_PREFIX = b"torchattn-sha256:"
+_COMMENT_LENGTH = len(_DIGEST_PREFIX) + 64
+_END_RECORD = 22  # zip's end-of-central-directory record without comment; its last 2 bytes: comment length
+_END_SIGNATURE = b"PK\x05\x06"
+
+
+class Damaged(Exception):
+    """A checkpoint that does not verify or cannot be read; str(e) is one line naming it and why."""
 
 
 def rng_state(device) -> dict:
@@ -43,17 +66,6 @@ def set_rng_state(state: dict, device) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
     xm.set_rng_state(state["xla"], device)
-
-
-def to_cpu(value):
-    """``value`` with every tensor in it (nested dicts, lists, tuples) copied to the CPU."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: to_cpu(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_cpu(item) for item in value)
-    return value
 
 
 class Checkpointer:
@@ -97,63 +109,145 @@ class Checkpointer:
         return os.path.join(self.directory, names[max(names)]) if names else None
 
     def save(self, state: dict, step: int) -> str:
-        """Writes ``state`` (tensors may live on the XLA device) as the checkpoint of ``step``."""
+        """Writes ``state`` (tensors may live on the XLA device) as the checkpoint of ``step``; raises
+        the OSError of a failed write, or EIO when what is on disk does not verify."""
         path = self.path(step)
         if self.sharded:
-            from . import sharded_checkpoint
-
             sharded_checkpoint.save(state, path, writer=self.writer)
         elif self.writer:
             _save_file(state, path)
         if self.writer:
+            try:
+                verify(path)  # read back: older checkpoints go only once this one is whole on disk
+            except Damaged as error:
+                raise OSError(errno.EIO, f"written but does not verify: {error}") from None
             self._remove_old(step)
         return path
 
+    def newest_intact(self) -> str | None:
+        """The newest checkpoint that verifies, or None."""
+        names = self._checkpoints()
+        for step in sorted(names, reverse=True):
+            path = os.path.join(self.directory, names[step])
+            try:
+                verify(path)
+                return path
+            except Damaged:
+                continue
+        return None
+
+    def load_newest(self, template=None, required: tuple[str, ...] = ()) -> tuple[str, dict, list[str]]:
+        """(path, state, damaged) of the newest checkpoint that verifies and holds the keys ``required``;
+        ``damaged``: one line for each newer one skipped. Raises Damaged, naming every checkpoint and
+        what is wrong with it, when none is intact. ``template``: as for load()."""
+        damaged = []
+        names = self._checkpoints()
+        for step in sorted(names, reverse=True):
+            path = os.path.join(self.directory, names[step])
+            try:
+                return path, self.load(path, template, required), damaged
+            except Damaged as error:
+                damaged.append(str(error))
+        raise Damaged(f"no intact checkpoint in {self.directory}: " + ("; ".join(damaged) or "none written"))
+
     def _remove_old(self, step: int) -> None:
-        """Removes all but the newest ``keep`` checkpoints, and temporaries left by saves that crashed
-        (up to ``step``: every process has finished writing those)."""
+        """Removes all but the newest ``keep`` checkpoints, never ``step``'s (just verified; a resumed run
+        may still have newer, damaged ones), and temporaries left by saves that crashed (up to ``step``:
+        every process has finished writing those)."""
         names = self._checkpoints()
         for old in sorted(names)[:-self.keep]:
-            _remove(os.path.join(self.directory, names[old]))
+            if old != step:
+                _remove(os.path.join(self.directory, names[old]))
         for leftover, name in self._entries(_TEMPORARY):
             if leftover <= step:
                 _remove(os.path.join(self.directory, name))
 
-    def load(self, path: str, template=None) -> dict:
-        """The state saved at ``path``, with every tensor on the CPU (a file) or on the device (a folder).
+    def load(self, path: str, template=None, required: tuple[str, ...] = ()) -> dict:
+        """The state saved at ``path``, verified, with every tensor on the CPU (a file) or on the device
+        (a folder). Raises Damaged if it does not verify, cannot be read or lacks a key of ``required``.
 
         A sharded checkpoint (a folder) is read in place into ``template()``: the run's own
         state_dict(), tensors on the device with their shardings and the optimizer's state
         already created (torch_xla's prime_optimizer), so each process reads only what it holds.
         """
-        if not os.path.isdir(path):
-            # Our own file, holding NumPy's RNG state (not loadable with weights_only=True).
-            return torch.load(path, map_location="cpu", weights_only=False)
-        if template is None:
+        if os.path.isdir(path) and template is None:
             raise ValueError(f"load: {path} is a sharded checkpoint; expected a template (the run's state "
                              "on the device) to read it into, got None")
-        from . import sharded_checkpoint
+        verify(path)
+        if os.path.isdir(path):
+            state = sharded_checkpoint.load(path, template())
+        else:
+            try:
+                # Our own file, holding NumPy's RNG state (not loadable with weights_only=True).
+                state = torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as error:  # verified, yet not a state this torch can read
+                raise Damaged(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
+        missing = [key for key in required if not isinstance(state, dict) or key not in state]
+        if missing:
+            raise Damaged(f"{path}: not a training checkpoint (no {', '.join(missing)})")
+        return state
 
-        return sharded_checkpoint.load(path, template())
+
+def verify(path: str) -> None:
+    """Raises Damaged unless the checkpoint at ``path`` (a file or a sharded folder) matches its digest."""
+    if os.path.isdir(path):
+        problem = sharded_checkpoint.verify(path)
+        if problem:
+            raise Damaged(f"{path}: {problem}")
+        return
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        f.seek(max(size - _END_RECORD - _COMMENT_LENGTH, 0))
+        end = f.read()
+    comment = end[_END_RECORD:]
+    if (len(end) < _END_RECORD + _COMMENT_LENGTH or not end.startswith(_END_SIGNATURE)
+            or not comment.startswith(_DIGEST_PREFIX)):
+        raise Damaged(f"{path}: damaged or truncated ({size} bytes, no digest at the end)")
+    digest = durable.sha256_file(path, size - _COMMENT_LENGTH - 2)
+    digest.update(b"\0\0")  # the comment length torch.save wrote
+    if digest.hexdigest().encode() != comment[len(_DIGEST_PREFIX):]:
+        raise Damaged(f"{path}: damaged (its content does not match its SHA-256 digest)")
+
+
+class _DigestingWriter:
+    """Passes torch.save's zip archive on to ``file`` while hashing it, holding back its last
+    _END_RECORD bytes; ``finish()`` writes them with the digest as the archive's comment."""
+
+    def __init__(self, file):
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.held = b""
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.sha256.update(view)
+        if len(view) >= _END_RECORD:
+            self.file.write(self.held)
+            self.file.write(view[:-_END_RECORD])
+            self.held = bytes(view[-_END_RECORD:])
+        else:
+            joined = self.held + bytes(view)
+            self.file.write(joined[:-_END_RECORD])
+            self.held = joined[-_END_RECORD:]
+        return len(view)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def finish(self) -> None:
+        if not (self.held.startswith(_END_SIGNATURE) and self.held.endswith(b"\0\0")):
+            raise ValueError("torch.save's archive does not end with a comment-less end record")
+        comment = _DIGEST_PREFIX + self.sha256.hexdigest().encode()
+        self.file.write(self.held[:-2] + struct.pack("<H", len(comment)) + comment)
 
 
 def _save_file(state: dict, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.tmp-{os.getpid()}"
-    try:
-        write_durably(to_cpu(state), temporary)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):  # the write failed: no partial file stays behind
-            os.remove(temporary)
+    def write(file):
+        writer = _DigestingWriter(file)
+        durable.torch_save(to_cpu(state), writer)
+        writer.finish()
 
-
-def write_durably(value, path: str) -> None:
-    """torch.save of ``value`` to ``path``, on disk (fsync) before it returns."""
-    with open(path, "wb") as f:
-        torch.save(value, f)
-        f.flush()
-        os.fsync(f.fileno())  # the data is on disk before the rename makes it visible
+    durable.write_file(path, write)
 
 
 def _remove(path: str) -> None:

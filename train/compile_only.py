@@ -33,6 +33,8 @@ import gc
 import importlib.util
 import os
 import re
+import signal
+import sys
 import tempfile
 import time
 
@@ -118,14 +120,22 @@ def resolve_target(name: str) -> Target:
 
 
 def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
-    """--compile-lengths, or --max-length and the powers of two above it up to the position limit."""
+    """--compile-lengths, or --max-length and the powers of two above it up to the position limit.
+    ConfigError for a length beyond the limit: the model has no positions for it (training refuses
+    such a --max-length too)."""
     if config.compile_lengths is not None:
-        return sorted(set(positive_ints("compile_lengths", config.compile_lengths)))
-    top = min(position_limit or MAX_COMPILE_LENGTH, MAX_COMPILE_LENGTH)
-    found, length = [config.max_length], 1 << config.max_length.bit_length()
-    while length <= top:
-        found.append(length)
-        length *= 2
+        found = sorted(set(positive_ints("compile_lengths", config.compile_lengths)))
+        flag, given = "--compile-lengths", config.compile_lengths
+    else:
+        top = min(position_limit or MAX_COMPILE_LENGTH, MAX_COMPILE_LENGTH)
+        found, length = [config.max_length], 1 << config.max_length.bit_length()
+        while length <= top:
+            found.append(length)
+            length *= 2
+        flag, given = "--max-length", config.max_length
+    if position_limit is not None and found[-1] > position_limit:
+        raise ConfigError(f"{flag}: expected lengths up to {position_limit}, the position limit of --model "
+                          f"{config.model!r}, got {given}")
     return found
 
 
@@ -305,7 +315,17 @@ def write_csv(rows: list[Row], target: Target, path: str) -> None:
 
 
 def run(config: RunConfig) -> int:
-    """Compiles the step for every implementation and length, prints the table, writes the CSV."""
+    """Compiles the step for every implementation and length, prints the table, writes the CSV.
+    Ctrl-C stops it with one line on stderr and status 130 (128 + SIGINT), as it stops training."""
+    try:
+        return _sweep(config)
+    except KeyboardInterrupt:  # the CSV, written after every row, keeps the rows compiled before it
+        print("python -m train: interrupted (Ctrl-C): --compile-only stopped; the CSV holds the rows compiled "
+              "before it", file=sys.stderr)
+        return 128 + signal.SIGINT
+
+
+def _sweep(config: RunConfig) -> int:
     from torchattn import devices
 
     from . import data, models

@@ -27,6 +27,7 @@ SCHEDULES = ("linear", "cosine")
 # the parameters over fsdp, attention heads over model.
 MESH_AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
+AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (parallel.default_mesh)
 MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
 
 
@@ -92,7 +93,9 @@ class RunConfig:
                                default=None)
     mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
                             "axes data, fsdp (batch and parameters) and model (attention heads), sizes "
-                            "multiplying to the device count (default: one device)", default=None)
+                            "multiplying to the device count; none: one device; auto: fsdp over every "
+                            "device when the process has several (one device if --batch-size is not a "
+                            "multiple of their count, or under accelerate launch --tpu)", default=AUTO_MESH)
     compile_only: str | None = _doc("train nothing: compile one training step (forward, backward, optimizer) for "
                                     "this TPU topology (v5e, v6e, v5e:2x2, v4:2x2x1, ...; per chip of one replica) "
                                     "with libtpu's compiler on this machine, print HBM per chip for each attention "
@@ -135,9 +138,12 @@ class RunConfig:
             for attn in self.compile_attn.split(","):
                 _check("compile_attn", self.compile_attn, attn.strip() in ATTNS,
                        "implementations from " + ", ".join(ATTNS) + " separated by commas")
-        if self.compile_only is not None and self.mesh is not None:
+        if isinstance(self.mesh, str) and self.mesh.strip().lower() == "none":  # a config file's none, as the flag's
+            self.mesh = None
+        explicit_mesh = self.mesh not in (None, AUTO_MESH)
+        if self.compile_only is not None and explicit_mesh:
             raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
-        if self.mesh is not None:
+        if explicit_mesh:
             rows = batch_devices(mesh_axes(self.mesh))
             _check("batch_size", self.batch_size, self.batch_size % rows == 0,
                    f"a multiple of {rows} (the data x fsdp devices of --mesh {self.mesh})")
@@ -229,15 +235,22 @@ def _from_text(name: str, text: str) -> Any:
 
 
 def _from_file_value(name: str, value: Any, path: str) -> Any:
-    """A config file's value, checked against its field's type (ints are accepted for floats)."""
+    """A config file's value, checked against its field's type (ints are accepted for floats). A string
+    for a number converts as its flag's text would: YAML 1.1 reads ``lr: 1e-3`` as the string "1e-3"."""
     field = FIELDS[name]
     kind = _type_of(field)
     if value is None and _optional(field):
         return None
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    bad = ConfigError(f"{path}: {name.replace('_', '-')}: expected {kind.__name__}, got {value!r}")
+    if kind in (int, float) and isinstance(value, str):
+        try:
+            return _from_text(name, value)
+        except ConfigError:
+            raise bad from None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ConfigError(f"{path}: {name.replace('_', '-')}: expected {kind.__name__}, got {value!r}")
+        raise bad
     return value
 
 
@@ -319,8 +332,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     flag_values = {name: value if _type_of(FIELDS[name]) is bool else _from_text(name, value)
                    for name, value in given.items()}
     explicit = {**file_values, **flag_values}
-    base = _saved_config(explicit) if explicit.get("resume") else None
-    if base is None:
+    if explicit.get("resume"):
+        if explicit.get("output_dir") is None:
+            raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
+        base = saved_config(explicit["output_dir"])
+    else:
         recipe = explicit.get("recipe", FIELDS["recipe"].default)
         _check_choice("recipe", recipe, tuple(RECIPES))
         base = dict(RECIPES[recipe], recipe=recipe)
@@ -328,23 +344,53 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
 
 
 CONFIG_FILE = "config.json"
+# With --resume these must stay as the run has them: they decide what the checkpoint's weights,
+# optimizer state and data position (epoch, batch index) mean.
+FIXED_ON_RESUME = ("recipe", "model", "task", "dataset", "text_column", "label_column", "max_length",
+                   "batch_size", "grad_accum", "seed", "eval_fraction")
 
 
-def _saved_config(explicit: dict[str, Any]) -> dict[str, Any] | None:
-    """The saved configuration of the run to resume, or None if --output-dir holds none."""
-    output_dir = explicit.get("output_dir")
-    if output_dir is None:
-        return None
+def saved_config(output_dir: str) -> dict[str, Any]:
+    """The saved configuration (config.json) of the run in ``output_dir``, which --resume continues.
+    Raises ConfigError when the folder or its config.json is missing or unreadable: without it the
+    run's settings are unknown, and recipe defaults would start another run in its place."""
     path = os.path.join(output_dir, CONFIG_FILE)
+    if not os.path.isdir(output_dir):
+        raise ConfigError(f"--resume: no such folder: {output_dir}")
     if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        saved = json.load(f)
+        raise ConfigError(f"--resume: {output_dir} has no {CONFIG_FILE}, so the run's settings are unknown and it "
+                          "cannot be resumed; start a new run in another --output-dir")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--resume: cannot read {path}: {first_line(error)}") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--resume: {path} does not hold a run configuration (a JSON object)")
     return {name: value for name, value in saved.items() if name in FIELDS and name != "resume"}
 
 
+def resume_changes(saved: dict[str, Any], config: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved value, new value)} for each setting ``config`` changes from the saved run's.
+
+    Raises ConfigError naming every change the checkpoint cannot serve: a FIXED_ON_RESUME field, or a
+    mesh other than the run's own or one device (a sharded checkpoint loads into either; another
+    layout is not checked here)."""
+    changes = {name: (saved[name], getattr(config, name)) for name in saved
+               if name not in ("output_dir", "resume") and saved[name] != getattr(config, name)}
+    refused = [name for name in changes if name in FIXED_ON_RESUME]
+    if "mesh" in changes and config.mesh is not None:
+        refused.append("mesh")
+    if refused:
+        raise ConfigError("--resume: " + "; ".join(f"{_flag(name)} {changes[name][1]!r} differs from the run's "
+                                                   f"{changes[name][0]!r}" for name in refused)
+                          + ": the checkpoints were written for the run's settings; drop these flags or start a "
+                            "new run in another --output-dir")
+    return changes
+
+
 def save_config(config: RunConfig, path: str) -> None:
-    """Writes the resolved configuration as JSON (what --resume reads back)."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(dataclasses.asdict(config), f, indent=2)
-        f.write("\n")
+    """Writes the resolved configuration as JSON (what --resume reads back), whole or not at all."""
+    from .durable import write_text  # here: it imports torch, which parsing flags does not need
+
+    write_text(path, json.dumps(dataclasses.asdict(config), indent=2) + "\n")

@@ -51,22 +51,49 @@ def _package_folder(package: str, dataset: str) -> pathlib.Path:
     return pathlib.Path(spec.submodule_search_locations[0])
 
 
+# Byte order marks of encodings that are not ASCII-compatible (UTF-32's little-endian mark starts with UTF-16's).
+_WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+              b"\xfe\xff": "UTF-16"}
+
+
 def _read_text(path: pathlib.Path) -> str:
+    """A text file in UTF-8 (a leading byte order mark dropped), else in Latin-1.
+
+    Latin-1 decodes any byte, so it is only trusted for files that hold no NUL byte: BBC News has one
+    article in Latin-1 (sports/199.txt: byte 0xA3 is "£"), while UTF-16 and UTF-32 text (NUL in every
+    ASCII character, often a byte order mark) or a binary file would decode to garbage.
+    """
     data = path.read_bytes()
+    wide = next((name for bom, name in _WIDE_BOMS.items() if data.startswith(bom)), None)
+    if wide is not None or b"\0" in data:
+        found = f"starts with a {wide} byte order mark" if wide else "holds NUL bytes (UTF-16 or binary?)"
+        raise DataError(f"--dataset: {str(path)!r} is not text in UTF-8 or Latin-1: it {found}; "
+                        f"save it as UTF-8")
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")
     except UnicodeDecodeError:
-        # BBC News has one article in Latin-1 (sports/199.txt: byte 0xA3 is "£"); Latin-1 decodes any byte.
         return data.decode("latin-1")
 
 
 def _label_folders(root: pathlib.Path, flag_value: str) -> datasets.Dataset:
-    """root/<label>/<name>.txt -> columns "text", "label" (label names sorted, files sorted)."""
-    texts, labels = [], []
+    """root/<label>/<name>.txt -> columns "text", "label" (label names sorted, files sorted).
+
+    Hidden entries (names starting with "."): folders such as .ipynb_checkpoints, files such as
+    .hidden.txt or macOS's ._<name>.txt, are no labels or documents: skipped, with one warning."""
+    texts, labels, hidden = [], [], []
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        for file in sorted(folder.glob("*.txt")):
+        if folder.name.startswith("."):
+            hidden.append(folder.name + "/")
+            continue
+        for file in sorted(p for p in folder.iterdir() if p.suffix == ".txt" and p.is_file()):
+            if file.name.startswith("."):
+                hidden.append(f"{folder.name}/{file.name}")
+                continue
             texts.append(_read_text(file))
             labels.append(folder.name)
+    if hidden:
+        warnings.warn(f"data: skipped {len(hidden)} hidden files and folders of {flag_value!r} (names starting "
+                      f"with '.'): {', '.join(hidden[:3])}{', ...' if len(hidden) > 3 else ''}", stacklevel=4)
     if not texts:
         raise DataError(f"--dataset: folder {flag_value!r} has no sub-folder of .txt files "
                         f"(expected <folder>/<label>/<name>.txt)")
@@ -92,6 +119,16 @@ def _looks_like_path(dataset: str) -> bool:
             or dataset.count("/") > 1 or os.sep != "/" and os.sep in dataset)
 
 
+def _innermost(error: BaseException) -> BaseException:
+    """The last exception of ``error``'s ``raise ... from`` chain. Not the implicit context: pandas' CSV
+    reader raises its UnicodeDecodeError while handling pyarrow's vaguer "Invalid UTF8 sequence"."""
+    seen = {id(error)}
+    while error.__cause__ is not None and id(error.__cause__) not in seen:
+        error = error.__cause__
+        seen.add(id(error))
+    return error
+
+
 def _open_source(dataset: str) -> dict[str, datasets.Dataset]:
     if dataset == "bbc-news":
         return _bbc_news()
@@ -108,11 +145,17 @@ def _open_source(dataset: str) -> dict[str, datasets.Dataset]:
         if builder is None:
             raise DataError(f"--dataset: {dataset!r} is not a supported file; expected one of "
                             f"{', '.join(FILE_FORMATS)}, or a folder")
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its readers log the error raised below
         try:
             return {"train": datasets.load_dataset(builder, data_files=str(path), split="train")}
         except Exception as e:  # the readers raise many types; the user needs the file and the reason
+            cause = _innermost(e)  # datasets wraps it: "An error occurred while generating the dataset"
+            hint = "; save it as UTF-8" if isinstance(cause, UnicodeDecodeError) else ""
             raise DataError(f"--dataset: could not read {dataset!r} as {builder}: "
-                            f"{first_line(e)}") from e
+                            f"{type(cause).__name__}: {first_line(cause)}{hint}") from e
+        finally:
+            datasets.logging.set_verbosity(verbosity)
     if _looks_like_path(dataset):
         raise DataError(f"--dataset: no such file or folder: {dataset!r}")
     try:
@@ -196,6 +239,20 @@ def _stratified_split(labels: list, fraction: float, seed: int) -> tuple[list[in
     return sorted(train), sorted(held_out)
 
 
+def _too_few_held_out(labels: list, fraction: float) -> str:
+    """Why a stratified split held out no document, and the smallest --eval-fraction (in hundredths)
+    that holds out one, if any does."""
+    largest = max(collections.Counter(labels).values())
+    if largest < 2:
+        return ("the data set is too small: every label has one document, which training keeps, so none is "
+                "left to evaluate on; add documents or a held-out split")
+    hundredths = math.ceil(50 / largest)  # half a document of the largest label rounds up to one
+    while _split_counts(largest, hundredths / 100) < 1:  # float rounding at the boundary
+        hundredths += 1
+    return (f"eval_fraction {fraction} of each label's documents rounds to none (the largest label has "
+            f"{largest}); --eval-fraction {hundredths / 100} or more holds out one")
+
+
 def _document_split(n: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     order = np.random.default_rng(seed).permutation(n)
     n_eval = max(1, _split_counts(n, fraction))
@@ -266,7 +323,7 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
                           None if eval_labels is None else [eval_labels[i] for i in keep])}
     for name, (split_texts, _) in split.items():
         if not split_texts:
-            reason = (f"eval_fraction {eval_fraction} of each label's documents rounds to none" if held_out_name is None
+            reason = (_too_few_held_out(labels, eval_fraction) if held_out_name is None
                       else "after removing blank and duplicate texts (and, for evaluation, texts also in training)")
             raise DataError(f"--dataset: the {name} split of {dataset!r} is empty: {reason}")
     if labels is None:
@@ -348,6 +405,25 @@ def host_rows(batch_size: int, host: int, hosts: int) -> slice:
         raise ValueError(f"host: expected an int in [0, {hosts}), got {host!r}")
     part = batch_size // hosts
     return slice(host * part, (host + 1) * part)
+
+
+def eval_subset(dataset: datasets.Dataset, rows: int | None, seed: int) -> datasets.Dataset:
+    """The rows of the held-out ``dataset`` that evaluation limited to ``rows`` (--eval-batches times
+    --batch-size) reads: all of them when ``rows`` is None or covers the dataset, else a fixed sample
+    drawn with ``seed``, in dataset order. The held-out split is sorted by label, so a prefix would hold
+    one label: with a "label" column the sample is stratified, each label getting its share of ``rows``
+    rounded by largest remainder (ties to the lower label), its rows drawn at random within the label."""
+    if rows is None or rows >= len(dataset):
+        return dataset
+    labels = np.asarray(dataset["label"]) if "label" in dataset.column_names else np.zeros(len(dataset), np.int64)
+    values, counts = np.unique(labels, return_counts=True)
+    shares = rows * counts / len(dataset)
+    quota = np.floor(shares).astype(np.int64)
+    by_remainder = np.argsort(-(shares - quota), kind="stable")
+    quota[by_remainder[:rows - quota.sum()]] += 1
+    rng = np.random.default_rng(seed)
+    chosen = [rng.permutation(np.flatnonzero(labels == value))[:n] for value, n in zip(values, quota)]
+    return dataset.select(np.sort(np.concatenate(chosen)))
 
 
 class BatchLoader:

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from . import durable
+
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 
@@ -35,8 +37,7 @@ class MetricsFile:
     def truncate_after(self, step: int) -> None:
         """Drops records logged after ``step``: a resumed run logs them again."""
         kept = [record for record in self.read() if record["step"] <= step]
-        with open(self.path, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(record) + "\n" for record in kept)
+        durable.write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept))  # all or nothing
 
 
 class Progress:

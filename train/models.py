@@ -39,9 +39,16 @@ class ModelError(ValueError):
 
 
 def _not_loaded(model: str, error: Exception) -> ModelError:
-    """The one-line error for a model whose config or tokenizer could not be loaded."""
-    return ModelError(f"--model: could not load {model!r} (a hub id needs the network; offline?): "
-                      f"{first_line(error)}")
+    """The one-line error for a model whose config, tokenizer or weights could not be loaded, saying
+    what ``model`` was taken for: only a hub id needs the network."""
+    where, gguf_file = _locate(model)
+    if gguf_file is not None:
+        source = "a .gguf file"
+    elif os.path.isdir(where):
+        source = "a local folder"
+    else:
+        source = "a hub id needs the network; offline?"
+    return ModelError(f"--model: could not load {model!r} ({source}): {first_line(error)}")
 
 
 def _locate(model: str) -> tuple[str, str | None]:
@@ -129,11 +136,12 @@ def sdpa_one_dtype(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return sdpa(module, query.to(dtype), key.to(dtype), value.to(dtype), *args, **kwargs)
 
 
-def model_config(model: str, *, task: str, num_labels: int | None, dropout: float | None = None
-                 ) -> tuple[transformers.PretrainedConfig, str, dict]:
-    """The configuration a run builds ``model`` from, set for ``task`` (``num_labels``; decoder for
-    lm) and ``dropout``; with the folder or hub id and the keyword arguments (a GGUF file) it
-    loads from. Only config.json is read (a folder without weights is enough).
+def model_config(model: str, *, task: str, num_labels: int | None, dropout: float | None = None,
+                 label_names: list[str] | None = None) -> tuple[transformers.PretrainedConfig, str, dict]:
+    """The configuration a run builds ``model`` from, set for ``task`` (``num_labels``, named by
+    ``label_names`` in id2label/label2id when given, so the saved model's predictions carry them;
+    decoder for lm) and ``dropout``; with the folder or hub id and the keyword arguments (a GGUF
+    file) it loads from. Only config.json is read (a folder without weights is enough).
     Raises ModelError for a missing path or a failed hub load."""
     where, gguf_file = _locate(model)
     load = dict(gguf_file=gguf_file) if gguf_file else {}
@@ -143,6 +151,9 @@ def model_config(model: str, *, task: str, num_labels: int | None, dropout: floa
         raise _not_loaded(model, e) from e
     if task == "classification":
         config.num_labels = num_labels
+        if label_names is not None:
+            config.id2label = dict(enumerate(label_names))
+            config.label2id = {name: index for index, name in enumerate(label_names)}
     else:
         # Encoders (BERT, ...) become causal LMs only as decoders; decoder-only models ignore the flag.
         config.is_decoder = True
@@ -152,7 +163,7 @@ def model_config(model: str, *, task: str, num_labels: int | None, dropout: floa
 
 
 def load_model(model: str, *, task: str, num_labels: int | None, attn: str, backend: str = "auto",
-               dropout: float | None = None, dtype: torch.dtype = torch.float32
+               dropout: float | None = None, dtype: torch.dtype = torch.float32, label_names: list[str] | None = None
                ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """A pretrained model and its tokenizer, on the CPU, in train mode.
 
@@ -165,11 +176,18 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
         "auto").
     dropout: when not None, every dropout probability of the model (hidden, attention, classifier;
         config fields and module attributes) becomes it.
+    label_names: classification's label names, ``num_labels`` of them (config.id2label/label2id).
     The tokenizer gets a pad token if it has none (its EOS token), and the model config its id.
     Raises ModelError (one line) for a missing path, a model the task cannot use, a failed hub load.
     """
     check_run_model(task=task, num_labels=num_labels, attn=attn, backend=backend, dropout=dropout)
-    config, where, load = model_config(model, task=task, num_labels=num_labels, dropout=dropout)
+    if label_names is not None and task != "classification":
+        raise ModelError(f"label_names: only --task classification has labels, got {len(label_names)} names "
+                         f"with --task {task}")
+    if label_names is not None and len(label_names) != num_labels:
+        raise ModelError(f"label_names: expected {num_labels} names (num_labels), got {len(label_names)}")
+    config, where, load = model_config(model, task=task, num_labels=num_labels, dropout=dropout,
+                                       label_names=label_names)
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
     except (OSError, ValueError) as e:
@@ -187,6 +205,8 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
     except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
         raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
                          f"({config.model_type}): {first_line(e)}") from e
+    except OSError as e:  # no weights file in the folder, or a hub id's weights unreachable
+        raise _not_loaded(model, e) from e
     if "gguf_file" in load:
         loaded = _without_gguf(loaded, auto_class, implementation)
     if dropout is not None:

@@ -18,14 +18,56 @@ import collections
 import contextlib
 import itertools
 import math
+import os
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from .config import BATCH_AXES, ConfigError, batch_devices
+from .config import AUTO_MESH, BATCH_AXES, ConfigError, batch_devices
 
 PARAMETER_AXIS = "fsdp"
+
+
+def default_mesh(devices: int, batch_size: int, *, launched: bool) -> tuple[str | None, str | None]:
+    """What --mesh auto means for a process that drives ``devices`` devices: (the mesh, or None for
+    one device; what the run prints about it, or None on a host with one device).
+
+    Several devices: fsdp over all of them. The batch splits over every device as it would over
+    data, and each device also holds only its part of every parameter, gradient and AdamW moment
+    (the memory that limits what fits on a chip); the losses are the single-device ones. When
+    --batch-size does not split evenly: one device, said so. A process that torch_xla's xmp.spawn
+    started (``launched``, as accelerate launch --tpu does) is one of several, each with its chip:
+    accelerate's path, one device."""
+    if launched:
+        return None, "none (started by accelerate launch: one device per process)"
+    if devices == 1:
+        return None, None
+    if batch_size % devices:
+        return None, (f"none: one of the {devices} devices (--batch-size {batch_size} is not a multiple of "
+                      f"{devices}; a multiple trains on all of them)")
+    return f"{PARAMETER_AXIS}={devices}", "the default on a host with several devices (--mesh none: one device)"
+
+
+def resolve_mesh(mesh: str | None, batch_size: int) -> tuple[str | None, str | None]:
+    """--mesh with auto decided: (the mesh, or None for one device; default_mesh's note, None when
+    --mesh was given). Counting the devices starts torch_xla's runtime but places nothing on a device,
+    so SPMD can still be turned on afterwards (Spmd)."""
+    if mesh != AUTO_MESH:
+        return mesh, None
+    if launched_per_chip():
+        return default_mesh(1, batch_size, launched=True)
+    import torch_xla.runtime as xr
+
+    return default_mesh(xr.global_runtime_device_count(), batch_size, launched=False)
+
+
+def launched_per_chip() -> bool:
+    """Whether torch_xla's xmp.spawn started this process, as `accelerate launch --tpu` does: one
+    process per chip, the gradients all-reduced across them by accelerate (the trainer's one-device path)."""
+    import torch_xla.core.xla_env_vars as xenv
+
+    return xenv.PJRT_LOCAL_PROCESS_COUNT in os.environ  # set by the spawn in each process it starts
 
 
 def parameter_spec(shape: tuple[int, ...], fsdp: int) -> tuple[str | None, ...]:

@@ -5,23 +5,27 @@ device, each process the shards it holds (``__<rank>_<n>.distcp``, the coordinat
 ``.metadata``); the state on the host (Python values, CPU tensors: scheduler, data position,
 RNG states), the same in every process, is written once by the coordinator (``host.pt``).
 The folder is written as ``step-<step>.tmp`` and renamed into place by the coordinator once
-every process has finished. It loads into a run with the same mesh (each process reads its
-shards) and into a single-device run (which reads them all). Multi-host runs need an output
-folder that every host sees. train/checkpoint.py's Checkpointer picks this format under a mesh.
+every process has finished, after it wrote SHA256SUMS: the digest of every other file of the
+folder, read back once (``sha256sum -c SHA256SUMS`` checks it; ``verify()`` before every load).
+It loads into a run with the same mesh (each process reads its shards) and into a single-device
+run (which reads them all). Multi-host runs need an output folder that every host sees.
+train/checkpoint.py's Checkpointer picks this format under a mesh.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import warnings
 
 import torch
 
-from .checkpoint import to_cpu, write_durably
+from . import durable
 
 HOST_FILE = "host.pt"  # the state on the host
+DIGESTS = "SHA256SUMS"  # one line per other file of the folder: "<sha256>  <name>", as sha256sum writes
 
 
 def _on_device(value) -> bool:
@@ -66,6 +70,7 @@ def _save_planner():
 def save(state: dict, path: str, *, writer: bool) -> None:
     """Writes ``state`` (tensors on the device, sharded) as the checkpoint folder ``path``; every process calls it."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     device, host = _split(state)
     # One name for all processes: each writes its shards into the same folder.
@@ -75,10 +80,39 @@ def save(state: dict, path: str, *, writer: bool) -> None:
         # per_thread_copy_ahead=0: DCP's overlapping device-to-host copy needs a CUDA-like stream API, which
         # torchax (torch's "privateuse1" backend once torch_xla's JAX bridge is imported) lacks.
         storage = dcp.FileSystemWriter(temporary, per_thread_copy_ahead=0)
-        dcp.save(device, storage_writer=storage, planner=_save_planner())
+        try:
+            dcp.save(device, storage_writer=storage, planner=_save_planner())
+        except CheckpointException as error:  # DCP wraps each process's failure: raise the OS error
+            causes = [cause for cause, _ in error.failures.values()]
+            raise next((c for c in causes if isinstance(c, OSError)), OSError(errno.EIO, str(error))) from None
     if writer:
-        write_durably(to_cpu(host), os.path.join(temporary, HOST_FILE))
-        os.replace(temporary, path)
+        durable.write_file(os.path.join(temporary, HOST_FILE), lambda f: durable.torch_save(durable.to_cpu(host), f))
+        digests = "".join(f"{_digest(temporary, name)}  {name}\n" for name in sorted(os.listdir(temporary)))
+        durable.write_text(os.path.join(temporary, DIGESTS), digests)
+        durable.replace(temporary, path)
+
+
+def _digest(folder: str, name: str) -> str:
+    return durable.sha256_file(os.path.join(folder, name)).hexdigest()
+
+
+def verify(path: str) -> str | None:
+    """What is wrong with the checkpoint folder ``path`` (a file missing, added or changed since it
+    was written, no SHA256SUMS), or None if it is intact."""
+    expected = {}
+    try:
+        with open(os.path.join(path, DIGESTS), encoding="utf-8") as f:
+            for line in f:
+                digest, name = line.rstrip("\n").split("  ", 1)
+                expected[name] = digest
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        return f"no readable {DIGESTS} ({type(error).__name__})"
+    present = set(os.listdir(path)) - {DIGESTS}
+    if present != set(expected):
+        return f"files differ from {DIGESTS}: missing {sorted(set(expected) - present)}, " \
+               f"unexpected {sorted(present - set(expected))}"
+    changed = [name for name in sorted(expected) if _digest(path, name) != expected[name]]
+    return f"damaged: {', '.join(changed)} do not match their SHA-256 digest" if changed else None
 
 
 def load(path: str, template: dict) -> dict:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import math
@@ -25,19 +26,22 @@ import os
 import random
 import shlex
 import signal
+import threading
 import time
 
 import numpy as np
 import torch
 
 from . import checkpoint, metrics
-from .config import ConfigError, RunConfig, save_config, CONFIG_FILE, mesh_axes
+from .config import CONFIG_FILE, ConfigError, RunConfig, mesh_axes, resume_changes, save_config, saved_config
 from .guards import CompileWatch, MemoryWatch, TracingTimer, peak_host_rss
-from .parallel import Spmd
+from .lock import LockedError, RunLock
+from .parallel import Spmd, launched_per_chip, resolve_mesh
 
 log = logging.getLogger("train")
 
 PROFILE_STEPS = 3  # steps --profile captures, after warm-up
+STATE_KEYS = ("model", "optimizer", "scheduler", "position", "rng")  # state_dict()'s: a checkpoint needs them all
 
 
 class Interrupted(Exception):
@@ -46,6 +50,11 @@ class Interrupted(Exception):
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+class Stopped(Exception):
+    """Raised by train() when it cannot go on (a non-finite loss, a checkpoint that cannot be written);
+    str(e) says why, which checkpoint is the newest intact one and how to resume from it."""
 
 
 @dataclasses.dataclass
@@ -80,15 +89,16 @@ def seed_everything(seed: int, device) -> None:
     xm.set_rng_state(seed, device)
 
 
-def classification_scores(predictions: np.ndarray, labels: np.ndarray, num_labels: int) -> dict[str, float]:
-    """Accuracy and macro-F1 (the mean over labels of each label's F1; a label never
-    predicted nor present counts as F1 0, as in scikit-learn's zero_division=0)."""
+def classification_scores(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Accuracy and macro-F1: the mean of each label's F1 over the labels present in ``labels`` or
+    ``predictions``, as scikit-learn's f1_score(average="macro") (a label of the data set absent from
+    both does not count; one only predicted, or never predicted, has F1 0)."""
     accuracy = float(np.mean(predictions == labels))
     f1s = []
-    for label in range(num_labels):
+    for label in np.union1d(predictions, labels):
         true_positive = np.sum((predictions == label) & (labels == label))
         predicted, actual = np.sum(predictions == label), np.sum(labels == label)
-        f1s.append(2 * true_positive / (predicted + actual) if predicted + actual else 0.0)
+        f1s.append(2 * true_positive / (predicted + actual))
     return {"accuracy": accuracy, "macro_f1": float(np.mean(f1s))}
 
 
@@ -97,12 +107,24 @@ def autocast(config: RunConfig):
     return torch.autocast("xla", dtype=torch.bfloat16, enabled=config.bf16)
 
 
+def model_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
+    """The model's outputs for one batch, with no KV cache: training and evaluation never reuse one, and
+    on XLA building it fails for a sliding window wider than the batch (transformers'
+    DynamicSlidingWindowLayer slices keys at [-window + 1:], which torch clamps and XLA refuses).
+    Asked per call, so config.use_cache, which the saved model generates with, stays as it was. Passed to
+    any forward that takes keyword arguments: wrappers (Gemma 3's classifier, ...) hand it to the inner model."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in parameters):
+        inputs = {**inputs, "use_cache": False}
+    return model(**inputs)
+
+
 def micro_batch_gradients(model: torch.nn.Module, inputs: dict[str, torch.Tensor], config: RunConfig
                           ) -> torch.Tensor:
     """Forward and backward of one micro-batch already on the device: its gradients, divided by
     --grad-accum, are added to .grad. Returns the loss, detached (still on the device)."""
     with autocast(config):
-        loss = model(**inputs).loss
+        loss = model_outputs(model, inputs).loss
     (loss / config.grad_accum).backward()
     return loss.detach()
 
@@ -137,9 +159,17 @@ class Trainer:
         ``stop_at_step`` (tests) makes train() behave as if SIGTERM arrived during that step.
         Raises ConfigError, data.DataError or models.ModelError (one line each) for bad input.
         """
+        self._lock: RunLock | None = None
+        try:
+            self._build(config, stop_at_step)
+        except BaseException:  # a refused input leaves the folder free for the next run
+            self._release_lock()
+            raise
+
+    def _build(self, config: RunConfig, stop_at_step: int | None) -> None:
         import datasets
+        import torch_xla
         import transformers
-        from accelerate import Accelerator
 
         from . import data, models
 
@@ -149,24 +179,37 @@ class Trainer:
 
         if config.resume and config.output_dir is None:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
-        self.config = config = config.with_output_dir()
+        mesh, self.mesh_note = resolve_mesh(config.mesh, config.batch_size)  # before anything touches the device
+        # Saved with the mesh decided, so --resume continues on the same one.
+        self.config = config = dataclasses.replace(config.with_output_dir(), mesh=mesh)
         self.spmd: Spmd | None = None
-        if config.mesh is None:
-            # accelerate: the XLA device, and under `accelerate launch` on a TPU VM the process
-            # rank, world size and the gradient all-reduce in the optimizer step (see README).
+        self.accelerator = None
+        if mesh is None and launched_per_chip():
+            # accelerate launch --tpu: one process per chip; accelerate gives the process rank, world
+            # size and the gradient all-reduce in the optimizer step (see README).
+            from accelerate import Accelerator
+
             self.accelerator = Accelerator()
             self.device = self.accelerator.device
             self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
             self.is_main = self.accelerator.is_main_process  # the one process that writes files
+        elif mesh is None:
+            # One device, even on a host with several: not accelerate's Accelerator, which replicates
+            # over every local device and would wait in its gradient all-reduce for the others.
+            self.device = torch_xla.device()
+            self.rank, self.world, self.is_main = 0, 1, True
         else:
             # SPMD: one process per host drives all devices, GSPMD reduces the gradients (train/parallel.py).
-            self.spmd = Spmd(mesh_axes(config.mesh))  # before anything touches the device
+            self.spmd = Spmd(mesh_axes(mesh))  # before anything touches the device
             self.device = self.spmd.device
             self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
             self.is_main = self.spmd.host == 0
         self.checkpointer = checkpoint.Checkpointer(config.output_dir, every=config.save_steps,
                                                     keep=config.keep_checkpoints, writer=self.is_main,
                                                     sharded=self.spmd is not None)
+        if self.is_main and os.path.isdir(config.output_dir):
+            self._take_lock()  # before its files are read: no other run writes them meanwhile
+        self._resume_changes = resume_changes(saved_config(config.output_dir), config) if config.resume else {}
         self._resume_path = self._check_output_dir()
         self._stop_at_step = stop_at_step
         self._signal: int | None = None
@@ -179,7 +222,7 @@ class Trainer:
         self.label_names = splits["train"].features["label"].names if config.task == "classification" else None
         self.model, self.tokenizer = models.load_model(
             config.model, task=config.task, num_labels=len(self.label_names) if self.label_names else None,
-            attn=config.attn, backend=config.backend, dropout=config.dropout)
+            attn=config.attn, backend=config.backend, dropout=config.dropout, label_names=self.label_names)
         limit = models.max_positions(self.model.config)
         if limit is not None and config.max_length > limit:
             raise ConfigError(f"--max-length: expected at most {limit} (the position limit of {config.model}), "
@@ -192,7 +235,10 @@ class Trainer:
         loader = dict(batch_size=config.batch_size, buckets=buckets, pad_id=self.tokenizer.pad_token_id,
                       seed=config.seed, host=host, hosts=hosts)
         self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
-        self.eval_loader = data.BatchLoader(tokenized["eval"], shuffle=False, drop_last=False, **loader)
+        # --eval-batches: a fixed sample of that many batches' rows, stratified by label (data.eval_subset).
+        evaluated = None if config.eval_batches is None else config.eval_batches * config.batch_size
+        self.eval_loader = data.BatchLoader(data.eval_subset(tokenized["eval"], evaluated, config.seed),
+                                            shuffle=False, drop_last=False, **loader)
         if len(self.train_loader) == 0:
             raise ConfigError(f"--batch-size: {config.batch_size} is more than the {len(tokenized['train'])} "
                               "training rows: no full batch")
@@ -211,12 +257,13 @@ class Trainer:
             enable_activation_checkpointing(self.model)
         # Weight decay is applied by _optimizer_step itself (see there), so AdamW gets 0.
         adamw = functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=0.0)
-        if self.spmd is None:
+        # The model goes to the device (sharded under a mesh) before the optimizer takes its parameters:
+        # moving them replaces them.
+        if self.accelerator is not None:
             # Moves the model to the device; the optimizer then all-reduces gradients across processes.
             self.model, self.optimizer = self.accelerator.prepare(self.model, adamw(self.model.parameters()))
         else:
-            # Sharded before the optimizer takes the parameters: moving to the device replaces them.
-            self.model = self.spmd.shard_model(self.model)
+            self.model = self.spmd.shard_model(self.model) if self.spmd else self.model.to(self.device)
             self.optimizer = adamw(self.model.parameters())
         warmup_steps = int(config.warmup * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
@@ -232,13 +279,17 @@ class Trainer:
 
         # --- output folder: only now, after every check passed
         self.metrics = metrics.MetricsFile(config.output_dir, writer=self.is_main)
-        if self.is_main:
+        if self.is_main and self._lock is None:
             os.makedirs(config.output_dir, exist_ok=True)
-            save_config(config, os.path.join(config.output_dir, CONFIG_FILE))
+            self._take_lock()
         if self._resume_path is not None:
-            self.load_state_dict(self.checkpointer.load(self._resume_path, template=self._state_to_load_into))
+            self._resume_path, state = self._load_newest_intact()
+            self.load_state_dict(state)
+            self._apply_lr()
             if self.is_main:
                 self.metrics.truncate_after(self.position.step)
+        if self.is_main:  # a resume rewrites the run's configuration only once its checkpoint loaded
+            save_config(config, os.path.join(config.output_dir, CONFIG_FILE))
         self.memory = MemoryWatch(self.device)
         self.display = metrics.Progress(self.total_steps, quiet=not self.is_main)
         self._step_times: list[tuple[float, int]] = []  # (seconds, tokens) of steps after warm-up
@@ -248,6 +299,30 @@ class Trainer:
         self._contexts = contextlib.ExitStack()
         if self.spmd is not None:
             self._contexts.enter_context(self.spmd.attention())
+
+    def _take_lock(self) -> None:
+        try:
+            self._lock = RunLock(self.config.output_dir)
+        except LockedError as error:
+            raise ConfigError(str(error)) from None
+        if self._lock.previous is not None:
+            log.info(f"took over {self._lock.path} from pid {self._lock.previous}, a run that ended without "
+                     "releasing it")
+
+    def _release_lock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def _apply_lr(self) -> None:
+        """A resume with another --lr: the restored schedule continues from this step with the new peak
+        (the scheduler's state holds the old one)."""
+        lr = self.config.lr
+        if self.scheduler.base_lrs != [lr] * len(self.scheduler.base_lrs):
+            self.scheduler.base_lrs = [lr] * len(self.scheduler.base_lrs)
+            factors = [factor(self.scheduler.last_epoch) for factor in self.scheduler.lr_lambdas]
+            for group, factor in zip(self.optimizer.param_groups, factors):
+                group["lr"] = lr * factor
 
     def _check_output_dir(self) -> str | None:
         """The checkpoint to resume from; refuses a folder holding another run's checkpoints."""
@@ -261,6 +336,17 @@ class Trainer:
             raise ConfigError(f"--output-dir: {self.config.output_dir} holds another run's checkpoints "
                               f"({os.path.basename(latest)}); add --resume to continue it or pick another folder")
         return None
+
+    def _load_newest_intact(self) -> tuple[str, dict]:
+        """(path, state) of the newest checkpoint that verifies; each damaged newer one is named in a
+        warning. None intact: ConfigError (exit 2)."""
+        try:
+            path, state, damaged = self.checkpointer.load_newest(self._state_to_load_into, required=STATE_KEYS)
+        except checkpoint.Damaged as error:
+            raise ConfigError(f"--resume: {error}") from None
+        for problem in damaged:
+            log.warning(f"warning: checkpoint {problem}; resuming from the newest intact one, {path}")
+        return path, state
 
     # ------------------------------------------------------------------
     # Stateful
@@ -291,10 +377,18 @@ class Trainer:
         """Trains to the end; returns the summary. Raises Interrupted after SIGTERM/SIGINT
         (the step in flight finished and was checkpointed)."""
         config = self.config
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        previous = {}
+        if threading.current_thread() is threading.main_thread():
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        else:  # torch_xla's spawn (accelerate launch --tpu) runs each process's training in a thread
+            log.warning("warning: training outside the main thread (accelerate launch --tpu): SIGTERM and Ctrl-C "
+                        "stop the run without a checkpoint of the step in flight; --save-steps checkpoints remain")
         try:
             if self._resume_path is not None:
                 self.display.line(f"resuming from {self._resume_path} at step {self.position.step}")
+                for name, (before, after) in self._resume_changes.items():
+                    self.display.line(f"  --{name.replace('_', '-')}: {before!r} -> {after!r} from step "
+                                      f"{self.position.step + 1} on")
             elif config.task == "lm":  # perplexity before training, to compare with after
                 self._evaluate()
             self.model.train()
@@ -308,11 +402,17 @@ class Trainer:
                 signal.signal(sig, handler)
 
     def _on_signal(self, signum, frame):
-        if self._signal is not None:  # a second Ctrl-C: stop now
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self._signal is not None:
+            # A second signal stops at once. Not by raising: the handler may run inside a callback
+            # (torch_xla's gc callback among them) that swallows the exception and carries on.
+            self.display.line(f"{name} again: stopped at once, without a checkpoint of the step in flight")
+            os._exit(128 + signum)
         self._signal = signum
-        self.display.line(f"{signal.Signals(signum).name}: finishing step {self.position.step + 1}, "
-                          "then writing a checkpoint (again to stop at once)")
+        # No step number here: the signal may land just before or just after a step's end. The
+        # checkpoint line names the step it wrote.
+        self.display.line(f"{name}: finishing the step in flight, then writing its checkpoint "
+                          f"({name} or Ctrl-C again to stop at once)")
 
     def _train_epoch(self) -> None:
         config = self.config
@@ -405,24 +505,55 @@ class Trainer:
             self._step_times.append((elapsed, tokens))
         self._profile(step, compiled)
         compiles = self.compiles.warmup + self.compiles.after_warmup
+        if self._stop_at_step == step and self._signal is None:
+            self._signal = signal.SIGTERM
+        stop = self._signal  # a signal arriving from here on is handled after the next step
+        logged = step % config.log_steps == 0 or step == self.total_steps
+        saving = stop is not None or self.checkpointer.due(step) or step == self.total_steps
         loss = None
-        if step % config.log_steps == 0 or step == self.total_steps:
+        if logged or saving:  # the loss reaches the host only here: no extra sync on other steps
             loss = sum(t.item() for t in micro_losses) / len(micro_losses)
+            if not math.isfinite(loss):  # before it is logged, checkpointed or saved as model/
+                raise Stopped(f"step {step}: the training loss is {loss}; stopped without checkpointing this "
+                              "step or writing model/. "
+                              + self._where_to_resume())
+        if logged:
             memory = self.memory.check(f"step {step}")
             self.metrics.write({"step": step, "epoch": self.position.epoch, "loss": loss,
                                 "lr": lr, "tokens_per_s": tokens / elapsed,
                                 "step_time_s": elapsed, "compiles": compiles,
                                 "host_rss_mb": memory["host_rss"] / 2**20})
-        self.display.update(step, loss=loss, tokens_per_s=tokens / elapsed, step_time=elapsed, compiles=compiles)
-        if self._stop_at_step == step and self._signal is None:
-            self._signal = signal.SIGTERM
-        if self._signal is not None:
-            path = self.checkpointer.save(self.state_dict(), step)
-            command = ["python", "-m", "train", "--output-dir", config.output_dir, "--resume"]
-            self.display.line(f"checkpoint written: {path}\nto resume: {shlex.join(command)}")
-            raise Interrupted(self._signal)
-        if self.checkpointer.due(step) or step == self.total_steps:
-            self.checkpointer.save(self.state_dict(), step)
+        self.display.update(step, loss=loss if logged else None, tokens_per_s=tokens / elapsed, step_time=elapsed,
+                            compiles=compiles)
+        if stop is not None:
+            path = self._save_checkpoint(step)
+            self.display.line(f"checkpoint of step {step} written: {path}\nto resume: {self._resume_command()}")
+            raise Interrupted(stop)
+        if saving:
+            self._save_checkpoint(step)
+
+    def _save_checkpoint(self, step: int) -> str:
+        """Writes the checkpoint of ``step``; a failed write is retried once (the state is still in
+        memory), a second failure raises Stopped naming the path and the OS error."""
+        for attempt in (1, 2):
+            try:
+                return self.checkpointer.save(self.state_dict(), step)
+            except OSError as error:
+                failure = f"{error.filename or self.checkpointer.path(step)}: {error.strerror or error}"
+                if attempt == 1:
+                    log.warning(f"warning: writing the checkpoint of step {step} failed ({failure}); trying again")
+        raise Stopped(f"step {step}: writing its checkpoint failed twice ({failure}); the steps since the last "
+                      "checkpoint are lost. " + self._where_to_resume())
+
+    def _resume_command(self) -> str:
+        return shlex.join(["python", "-m", "train", "--output-dir", self.config.output_dir, "--resume"])
+
+    def _where_to_resume(self) -> str:
+        """Which checkpoint a resume would start from, and the command."""
+        intact = self.checkpointer.newest_intact() if self.is_main else None
+        if intact is None:
+            return f"No intact checkpoint in {self.checkpointer.directory}: the run has to start again."
+        return f"Newest intact checkpoint: {intact}; to resume from it: {self._resume_command()}"
 
     def _profile(self, step: int, compiled: int) -> None:
         """--profile: a torch_xla trace of PROFILE_STEPS steps, from the first step that compiled nothing."""
@@ -451,10 +582,10 @@ class Trainer:
         outputs, labels, token_counts = [], [], []
         # Labels and token counts are read from the device: under --mesh with several hosts, the
         # CPU batch holds only this host's rows.
-        for batch, inputs in self._placed(itertools.islice(self.eval_loader.epoch(0), self.config.eval_batches)):
+        for batch, inputs in self._placed(self.eval_loader.epoch(0)):
             inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
             with autocast(self.config):
-                output = self.model(**inputs)
+                output = model_outputs(self.model, inputs)
             if self.config.task == "classification":
                 outputs.append(output.logits.argmax(dim=-1))
                 labels.append(inputs["labels"])
@@ -469,7 +600,7 @@ class Trainer:
             predictions = torch.cat([p.cpu() for p in outputs]).numpy()
             truth = torch.cat([label.cpu() for label in labels]).numpy()
             real = truth != -100  # rows that only fill the last batch up
-            result = classification_scores(predictions[real], truth[real], len(self.label_names))
+            result = classification_scores(predictions[real], truth[real])
         else:
             nll = sum(t.item() for t in outputs) / sum(t.item() for t in token_counts)
             result = {"perplexity": math.exp(nll)}
@@ -489,7 +620,7 @@ class Trainer:
         config = self.config
         model_dir = os.path.join(config.output_dir, "model")
         records = self.metrics.read()
-        model = self.model if self.spmd else self.accelerator.unwrap_model(self.model)
+        model = self.accelerator.unwrap_model(self.model) if self.accelerator else self.model
         # Under --mesh every host takes part in copying the sharded weights to the CPU (a collective).
         state = cpu_state(model) if self.spmd or self.is_main else None
         if self.is_main:
@@ -507,15 +638,25 @@ class Trainer:
             "peak_host_bytes": peak_host_rss(), "peak_device_bytes": self.memory.peak_device(),
             "model_dir": model_dir, "checkpoints": self.checkpointer.directory,
         })
-        if self.spmd is not None:
-            summary["mesh"] = self.spmd.description
+        if self.mesh_description is not None:
+            summary["mesh"] = self.mesh_description
         return summary
 
+    @property
+    def mesh_description(self) -> str | None:
+        """The devices the run trains on, as printed at its start and in the summary: the mesh, and
+        why when --mesh auto decided (None for one device on a host with one)."""
+        if self.spmd is None:
+            return self.mesh_note
+        return self.spmd.description + (f", {self.mesh_note}" if self.mesh_note else "")
+
     def close(self) -> None:
-        """Releases what train() may have left open (a profile trace) and leaves the run's contexts."""
+        """Releases what train() may have left open (a profile trace), leaves the run's contexts and
+        frees the output folder for the next run."""
         self._contexts.close()
         if self.config.profile and self._profile_end not in (None, -1):
             import torch_xla.debug.profiler as xp
 
             xp.stop_trace()
             self._profile_end = -1
+        self._release_lock()

@@ -16,7 +16,7 @@ import dataclasses
 import math
 import sys
 
-from .. import generations
+from .. import api, generations
 from ..block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
 from .attention import BIAS_KINDS, Attention, compile_attention
@@ -35,11 +35,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape.add_argument("--kv-heads", type=_positive_int(), help="default: --q-heads (a divisor of it: GQA)")
     shape.add_argument("--seq-len", type=_positive_int(), required=True, help="query length")
     shape.add_argument("--kv-len", type=_positive_int(), help="key/value length; default: --seq-len")
-    shape.add_argument("--head-dim", type=_positive_int(), required=True)
+    shape.add_argument("--head-dim", type=_checked(_positive_int(), api.check_head_dim), required=True)
     shape.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     features = parser.add_argument_group("features")
     features.add_argument("--causal", action="store_true")
-    features.add_argument("--window", type=_window, metavar="LEFT,RIGHT",
+    features.add_argument("--window", type=_checked(_window, api.check_window), metavar="LEFT,RIGHT",
                           help="sliding window around the diagonal; an empty side is unbounded (e.g. 4096,0)")
     features.add_argument("--softcap", type=_float_where(lambda x: 0 < x < math.inf, "a positive number"),
                           help="logits -> softcap * tanh(logits / softcap)")
@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name, multiple in MULTIPLES.items():
         blocks.add_argument("--" + name.replace("_", "-"), type=_positive_int(multiple),
                             help=f"a multiple of {multiple}")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_window_values_attached(sys.argv[1:] if argv is None else argv))
     if args.kv_heads is None:
         args.kv_heads = args.q_heads
     if args.q_heads % args.kv_heads:
@@ -84,13 +84,37 @@ def _float_where(accept, expected: str):
     return parse
 
 
+def _checked(parse, check):
+    """argparse type: ``parse``, then the API's own ``check`` (torchattn.api), its ValueError as argparse's error."""
+    def parse_and_check(text: str):
+        value = parse(text)
+        try:
+            check(value)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return value
+    return parse_and_check
+
+
 def _window(text: str) -> tuple[int | None, int | None]:
+    """LEFT,RIGHT as flash_attention's window (unchecked: see _checked)."""
     sides = text.split(",")
-    if len(sides) != 2 or not all(side in ("", "None") or side.isdecimal() for side in sides):
+    if len(sides) != 2 or not all(side in ("", "None") or side.removeprefix("-").isdecimal() for side in sides):
         raise argparse.ArgumentTypeError(
             f"expected LEFT,RIGHT, each an integer >= 0 or empty/None (unbounded), got {text!r}")
-    left, right = (int(side) if side.isdecimal() else None for side in sides)
+    left, right = (None if side in ("", "None") else int(side) for side in sides)
     return left, right
+
+
+def _window_values_attached(argv: list[str]) -> list[str]:
+    """``--window -5,3`` as ``--window=-5,3``: argparse takes a word that starts with '-' and is not
+    a plain number for an option, and would say only "expected one argument"."""
+    out = []
+    for word in argv:
+        if out and out[-1] == "--window" and word.startswith("-") and word[1:2].isdecimal():
+            word = out.pop() + "=" + word
+        out.append(word)
+    return out
 
 
 def attention_from(args: argparse.Namespace) -> Attention:

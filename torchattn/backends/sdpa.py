@@ -8,6 +8,10 @@ come from autograd through SDPA.
 Rows that see no key are given a dummy all-visible mask (SDPA would otherwise
 produce NaN or rely on version-specific "safe softmax") and their output is
 zeroed with ``torch.where``, which also zeroes their gradient.
+
+A query holding NaN gives a NaN row, as in the dense math: SDPA's fused CPU kernel
+returns 0 for it when there are fewer keys than its vector width (its row max skips
+NaN, so the row looks fully masked).
 """
 
 from __future__ import annotations
@@ -46,9 +50,9 @@ def run(request: Request):
     # (None, 0) is causal, whatever spelled it (causal=True, window=(None, 0), both).
     only_causal = left is None and right == 0 and not has_segments and request.bias is None
     if only_causal and request.q_len == request.kv_len:  # top-left == bottom-right alignment
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa), None
+        return _nan_rows(q, F.scaled_dot_product_attention(q, k, v, is_causal=True, **sdpa)), None
     if left is None and right is None and not has_segments:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=_cast_bias(request), **sdpa), None
+        return _nan_rows(q, F.scaled_dot_product_attention(q, k, v, attn_mask=_cast_bias(request), **sdpa)), None
 
     mask = masks.dense(request.q_len, request.kv_len, left=left, right=right, segment_ids=request.segment_ids,
                        kv_segment_ids=request.kv_segment_ids, device=request.device)  # (b or 1, 1, sq, skv) bool
@@ -56,8 +60,13 @@ def run(request: Request):
     mask = mask | ~row_sees  # dummy all-visible rows; their output is zeroed below
     bias = _cast_bias(request)
     attn_mask = mask if bias is None else torch.where(mask, bias, float("-inf"))
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **sdpa)
+    out = _nan_rows(q, F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **sdpa))
     return torch.where(row_sees, out, 0.0), None
+
+
+def _nan_rows(q, out):
+    """``out`` with NaN in the rows whose query holds NaN (see the module docstring)."""
+    return torch.where(q.isnan().any(dim=-1, keepdim=True), float("nan"), out)
 
 
 def _cast_bias(request: Request):

@@ -46,7 +46,7 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     lse, delta = inputs["lse"][:, :1], inputs["delta"][:, :1]  # (block_q, 1): one lane of each row
     s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs["q_ids"]), load(inputs["kv_ids"]),
                                    load(inputs["bias"]))
-    p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is finite where keep
+    p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is not -inf where keep
     dp = _dot(do, inputs["v"][...], _NT)
     if spec.dropout_p > 0.0:
         scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)

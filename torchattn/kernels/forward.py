@@ -53,7 +53,9 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():
         l, m = l_ref[:, :1], m_ref[:, :1]
-        seen = l > 0.0  # l >= 1 for any row that saw a key (its max contributes exp(0))
+        # l >= 1 for any row that saw a key (its max contributes exp(0)) and 0 for a row that saw none;
+        # NaN (!= 0) once a score was NaN or +inf, which then reaches out and lse as in the dense math.
+        seen = l != 0.0
         o_ref[...] = jnp.where(seen, acc_ref[...] / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
         lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)

@@ -118,7 +118,8 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dro
                        devices.tpu_generation(q.device))
     arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
-    lse = torch.where(torch.isfinite(lse), lse, 0.0)  # rows that see nothing are masked in-kernel
+    # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
+    lse = torch.where(lse == float("-inf"), 0.0, lse)
     arrays.update(do=_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad), lse=_per_row(lse, spec.q_pad),
                   delta=_per_row(delta, spec.q_pad))
     kernel_args = _kernel_arguments(spec, _kernel_key(dropout_key, q.device), arrays, backward=True)

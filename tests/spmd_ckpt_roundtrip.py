@@ -56,7 +56,7 @@ def state_dict(model, optimizer, scheduler, position: int) -> dict:
 def save(out: str, mesh) -> None:
     import torch_xla
 
-    from train import checkpoint
+    from train import checkpoint, durable
 
     model, optimizer, scheduler = build(0, mesh)
     for _ in range(STEP):
@@ -69,7 +69,7 @@ def save(out: str, mesh) -> None:
     random.random(), np.random.rand(), torch.rand(1)  # generators away from their seeds
     state = state_dict(model, optimizer, scheduler, STEP)
     checkpoint.Checkpointer(out, every=1, keep=2, sharded=True).save(state, STEP)
-    torch.save(checkpoint.to_cpu(state), os.path.join(out, "saved.pt"))
+    torch.save(durable.to_cpu(state), os.path.join(out, "saved.pt"))
     torch.save(shardings(model), os.path.join(out, "sharded-save.pt"))
 
 
@@ -77,7 +77,7 @@ def load(out: str, mesh, mode: str) -> None:
     import torch_xla
     from torch_xla.experimental.distributed_checkpoint import prime_optimizer
 
-    from train import checkpoint
+    from train import checkpoint, durable
 
     model, optimizer, scheduler = build(1, mesh)
     checkpointer = checkpoint.Checkpointer(out, every=1, keep=2, sharded=mesh is not None)
@@ -93,7 +93,7 @@ def load(out: str, mesh, mode: str) -> None:
     checkpoint.set_rng_state(state["rng"], torch_xla.device())
     loaded = state_dict(model, optimizer, scheduler, 0)  # the RNG states read before a sync advances the XLA one
     loaded["position"] = state["position"]
-    torch.save(checkpoint.to_cpu(loaded), os.path.join(out, f"loaded-{mode}.pt"))
+    torch.save(durable.to_cpu(loaded), os.path.join(out, f"loaded-{mode}.pt"))
     if mesh is not None:
         torch.save(shardings(model), os.path.join(out, f"sharded-{mode}.pt"))
 

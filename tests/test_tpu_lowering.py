@@ -15,7 +15,7 @@ import torch
 
 from torchattn.block_sizes import BlockSizes
 from torchattn.kernels import torch_side
-from torchattn.request import Options
+from torchattn.request import Options, Tensors
 
 jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")
@@ -96,9 +96,10 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
     seed = torch.tensor([5], device=device)
     blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
     options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1, block_sizes=blocks)
-    out, lse = torch_side.forward(q, k, v, None, None, bias, seed, options, interpret=False)
-    grads = torch_side.backward(torch.ones_like(out), torch.zeros_like(lse), q, k, v, out, lse, None, None, bias,
-                                seed, options, True, interpret=False)
+    tensors = Tensors(q, k, v, None, None, bias, seed)
+    out, lse = torch_side.forward(tensors, options, interpret=False)
+    grads = torch_side.backward(torch.ones_like(out), torch.zeros_like(lse), out, lse, tensors, options, ("bias",),
+                                interpret=False).values()
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     del out, lse, grads  # never synced: XLA:CPU cannot execute these

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from train import checkpoint, sharded_checkpoint
+from train import checkpoint, file_checkpoint, sharded_checkpoint
 from train.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -107,13 +107,13 @@ def test_a_damaged_file_is_not_loaded_and_each_damage_is_named(tmp_path):
 def test_rotation_keeps_the_last_intact_checkpoint_when_the_new_one_does_not_verify(tmp_path, monkeypatch):
     saver = checkpoint.Checkpointer(str(tmp_path), every=1, keep=1)
     saver.save({"weights": torch.ones(4)}, 1)
-    real = checkpoint._save_file
+    real = file_checkpoint.save
 
-    def damaging_save(state, path):  # the new file is on disk but not what was written
-        real(state, path)
+    def damaging_save(state, path, *, writer):  # the new file is on disk but not what was written
+        real(state, path, writer=writer)
         flip_middle_byte(path)
 
-    monkeypatch.setattr(checkpoint, "_save_file", damaging_save)
+    monkeypatch.setattr(file_checkpoint, "save", damaging_save)
     with pytest.raises(OSError, match="does not verify"):
         saver.save({"weights": torch.zeros(4)}, 2)
     assert saver.newest_intact() == saver.path(1), "step 1 must survive a save of step 2 that does not verify"

@@ -175,3 +175,26 @@ def test_ctrl_c_stops_the_sweep_with_one_line_and_status_130(llama, tmp_path, mo
     assert status == 130
     assert captured.err.startswith("python -m train: ") and captured.err.count("\n") == 1, captured.err
     assert "Traceback" not in captured.err + captured.out
+
+
+def test_the_model_is_built_by_the_runs_own_function(llama, tmp_path, monkeypatch):
+    from train import models
+    from train.config import parse_args
+
+    built = []
+    real = models.build_model
+
+    def spy(config, **kwargs):
+        built.append(kwargs)
+        return real(config, **kwargs)
+
+    monkeypatch.setattr(models, "build_model", spy)
+    models.load_model(llama, task="lm", num_labels=None, attn="torchattn", dropout=0.1, grad_checkpointing=True)
+    config = parse_args(_flags(llama, tmp_path / "hbm.csv", "--compile-only", "v5e", "--dropout", "0.1",
+                               "--grad-checkpointing"))
+    model_config, _, _ = models.model_config(llama, task="lm", num_labels=None, dropout=0.1)
+    model = compile_only._empty_model(model_config, config, "torchattn")
+    run, compiled = built
+    assert run.pop("weights") is not None and compiled.pop("weights") is None
+    assert run == compiled, "the same build but for the weights"
+    assert all(p.device.type == "xla" for p in model.parameters())

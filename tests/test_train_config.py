@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from train.config import RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args, save_config
+from train.config import COMPONENTS, RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args, save_config
 
 # Every flag issue 7 names, spelled as it does.
 ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
@@ -125,3 +126,26 @@ def test_help_says_batch_size_is_global_under_a_mesh():
     text = " ".join(build_parser().format_help().split())
     assert "--mesh MESH" in text
     assert "with --mesh the global batch, over all devices and hosts" in text
+
+
+def test_every_field_belongs_to_one_component():
+    owners = [name for fields, _ in COMPONENTS.values() for name in fields]
+    assert sorted(owners) == sorted(f.name for f in dataclasses.fields(RunConfig)), "each field exactly once"
+
+
+@pytest.mark.parametrize("component, bad", [
+    ("run", dict(task="regression")), ("data", dict(batch_size=0)), ("model", dict(attn="flash")),
+    ("optimizer", dict(weight_decay=-1.0)), ("checkpoint", dict(keep_checkpoints=0)), ("logging", dict(log_steps=0)),
+    ("compile_only", dict(compile_layers="2,2")), ("parallel", dict(mesh="tensor=2")),
+])
+def test_each_component_checks_its_own_fields_naming_the_flag(component, bad):
+    fields, check = COMPONENTS[component]
+    flag = "--" + next(iter(bad)).replace("_", "-")
+    with pytest.raises(ConfigError, match="^" + flag + ": expected "):
+        RunConfig(**bad)
+    config = RunConfig()
+    for name, value in bad.items():
+        object.__setattr__(config, name, value)
+    with pytest.raises(ConfigError, match="^" + flag + ": "):
+        check(config)  # the component's own check refuses it, not another's
+    assert next(iter(bad)) in fields

@@ -22,8 +22,10 @@ import tokenizers
 import torch
 import transformers
 
-from train.data import (BatchLoader, DataError, length_buckets, load_splits, tokenize_classification,
-                        tokenize_lm)
+from train.data import BatchLoader, DataError, load_splits
+from train.tasks.classification import length_buckets
+from train.tasks.classification import tokenize as tokenize_classification
+from train.tasks.lm import tokenize as tokenize_lm
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 

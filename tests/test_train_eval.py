@@ -12,8 +12,9 @@ import train_tiny
 
 from train.config import parse_args
 from train.data import eval_subset
-from train import trainer as trainer_module
-from train.trainer import Trainer, classification_scores
+from train.tasks import classification as classification_module
+from train.tasks.classification import classification_scores
+from train.trainer import Trainer
 
 
 def labelled(counts: dict[int, int]) -> datasets.Dataset:
@@ -60,7 +61,7 @@ def test_trainer_evaluates_a_stratified_subset(bert, tmp_path, monkeypatch, eval
         evaluated.append(labels.tolist())
         return classification_scores(predictions, labels)
 
-    monkeypatch.setattr(trainer_module, "classification_scores", scores)
+    monkeypatch.setattr(classification_module, "classification_scores", scores)
     flags = ["--model", bert, "--dataset", docs_csv, "--batch-size", "6", "--output-dir", str(tmp_path / "run")]
     trainer = Trainer(parse_args(flags + (["--eval-batches", str(eval_batches)] if eval_batches else [])))
     try:

@@ -19,7 +19,8 @@ import transformers
 import train_tiny
 from train.__main__ import main
 from train.config import parse_args
-from train.trainer import Trainer, classification_scores
+from train.tasks.classification import classification_scores
+from train.trainer import Trainer
 
 TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "compiles", "host_rss_mb"}
 
@@ -169,7 +170,8 @@ def test_final_classification_metrics_match_a_count_of_the_saved_model(classific
 
 
 def test_final_perplexity_matches_a_count_of_the_saved_model(lm_run, docs_csv):
-    from train.data import load_splits, tokenize_lm
+    from train.data import load_splits
+    from train.tasks.lm import tokenize as tokenize_lm
 
     code, _, out = lm_run
     assert code == 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import autograd, tune_cache
+from torchattn import api, autograd, tune_cache
 from torchattn.block_sizes import candidate_pairs
 
 torch_xla = pytest.importorskip("torch_xla")
@@ -147,7 +147,7 @@ def test_another_key_misses_the_cache(device, received, monkeypatch):
 
 def test_another_device_kind_misses_the_cache(device, received, fake_tpu):
     q, k, v = inputs(device)
-    key = tune_cache.Key.of(q, k, False, None, None, None, None, 0.0)
+    key = tune_cache.Key.of(api.validated(q, k, v))
     assert key.device_kind == "xla:TPU v5 lite"
     tune_cache.store(dataclasses.replace(key, device_kind="xla:TPU v6 lite"),
                      tune_cache.Tuned(A, ((A, 1.0),)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import numbers
 
@@ -93,8 +94,7 @@ def flash_attention(
     """
     request = _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids,
                         softcap, bias, dropout_p, dropout_seed, return_lse, block_sizes)
-    chosen = backends.select(request, backend)
-    out, lse = chosen.run(request)
+    out, lse = backends.run(request, backends.select(request, backend))
     return (out, lse) if return_lse else out
 
 
@@ -112,10 +112,16 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> backends.Choice:
     unknown = sorted(set(kwargs) - set(_OPTION_NAMES))
     if unknown:
         raise TypeError(f"explain: unexpected arguments {unknown}; expected any of {_OPTION_NAMES}")
-    arguments = _SIGNATURE.bind(q, k, v, **kwargs)
-    arguments.apply_defaults()  # flash_attention's defaults, read from its signature
+    return backends.choose(validated(q, k, v, **kwargs), backend)
+
+
+def validated(q, k, v, **kwargs) -> Request:
+    """The :class:`Request` :func:`flash_attention` would build from these arguments (any of its
+    keyword arguments but ``backend``; the rest take its defaults, read from its signature)."""
+    arguments = _SIGNATURE.bind(q, k, v, **kwargs)  # unknown names raise TypeError
+    arguments.apply_defaults()
     del arguments.arguments["backend"]
-    return backends.choose(_validate(**arguments.arguments), backend)
+    return _validate(**arguments.arguments)
 
 
 # ---------------------------------------------------------------------------
@@ -163,12 +169,16 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
     bias = _check_bias(bias, q, k)
     seed = _check_dropout(dropout_p, dropout_seed, q.device)
     return_lse = _check_bool("return_lse", return_lse)
-    block_sizes = _resolve_block_sizes(block_sizes, q, k, causal, window, softcap, segment_ids, bias, dropout_p)
-
-    options = Options(causal=causal, scale=scale, window=window, softcap=softcap,
-                      dropout_p=float(dropout_p), block_sizes=block_sizes)
-    return Request(q=q, k=k, v=v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                   bias=bias, seed=seed, options=options, return_lse=return_lse)
+    generation = devices.tpu_generation(q.device)
+    options = Options(causal=causal, scale=scale, window=window, softcap=softcap, dropout_p=float(dropout_p),
+                      block_sizes=_block_sizes(block_sizes, q, k, generation), generation=generation)
+    request = Request(q=q, k=k, v=v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                      bias=bias, seed=seed, options=options, return_lse=return_lse)
+    if block_sizes is None:  # what torchattn.tune cached for this call replaces the default
+        tuned = tune_cache.lookup(request)
+        if tuned is not None:
+            request.options = dataclasses.replace(options, block_sizes=tuned)
+    return request
 
 
 def _check_bool(name, value) -> bool:
@@ -252,15 +262,11 @@ def _check_bias(bias, q, k):
     return bias.reshape((1,) * (4 - len(shape)) + shape)
 
 
-def _resolve_block_sizes(block_sizes, q, k, causal, window, softcap, segment_ids, bias, dropout_p) -> BlockSizes:
-    """The caller's block sizes clamped to the lengths; else those torchattn.tune cached for this call
-    (validated arguments); else the default for the device's TPU generation."""
+def _block_sizes(block_sizes, q, k, generation) -> BlockSizes:
+    """The caller's block sizes clamped to the lengths, else the default for the TPU generation."""
     q_len, kv_len = q.shape[2], k.shape[2]
     if block_sizes is None:
-        tuned = tune_cache.lookup(q, k, causal, window, softcap, segment_ids, bias, dropout_p)
-        if tuned is not None:
-            return tuned
-        return BlockSizes.default(q_len, kv_len, q.shape[3], devices.tpu_generation(q.device))
+        return BlockSizes.default(q_len, kv_len, q.shape[3], generation)
     if not isinstance(block_sizes, BlockSizes):
         raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(block_sizes)}")
     return block_sizes.clamped(q_len, kv_len)

@@ -2,19 +2,19 @@
 
 Layers, as in flash-attn: custom ops with fake (shape-only) implementations so
 ``torch.compile`` can trace through them; one ``autograd.Function`` that saves
-q, k, v, out and lse (never a q_len x kv_len matrix) and calls the backward op.
-The ops run the blockwise implementation named by the backend that calls
-:func:`blockwise_attention` (``IMPLEMENTATIONS``: ``pallas``, ``interpret`` or
-``xla``), a pair of functions
+the call's tensors, out and lse (never a q_len x kv_len matrix) and calls the backward op.
+The ops run the blockwise backend (torchattn.backend.Backend) that calls
+:func:`blockwise_attention`: the schema carries its name, the op finds the object again.
+Its pair of functions
 
-    forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
-        -> (out, lse)                    lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
-    backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key,
-             options, bias_grad) -> (dq, dk, dv, dbias or None)
+    forward(tensors, options) -> (out, lse)   lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
+    backward(do, dlse, out, lse, tensors, options, wanted) -> {name: gradient}
 
-with ``options`` a :class:`torchattn.request.Options` (block sizes included) and
-``dropout_key`` int64 (3,) or None (torchattn.dropout.keys). The ops
-take the options as typed schema arguments: ``Options`` converts to and from them.
+take ``tensors`` a :class:`torchattn.request.Tensors` and ``options`` a
+:class:`torchattn.request.Options` (block sizes included). The ops' tensor arguments,
+the fakes, the saved tensors and the gradients returned are all derived from ``Tensors``'
+declaration; the static options cross as typed schema arguments derived from ``Options``.
+``wanted``: the optional gradients (the bias's) the caller needs; the others are always computed.
 
 ``dlse`` is the gradient reaching lse (zeros when lse is unused); it enters the
 backward as ``delta = rowsum(do * out) - dlse``.
@@ -28,67 +28,69 @@ NotImplementedError saying so.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
-from . import devices, internals, spmd, torch_blockwise
-from .kernels import torch_side
-from .request import Options, Request, accumulation_dtype
-
-# The blockwise implementations by name: (forward, backward). The backends that run
-# through the custom ops (torchattn/backends/) pass their NAME; a string, because an
-# op's schema takes no functions.
-IMPLEMENTATIONS = {
-    "pallas": (functools.partial(torch_side.forward, interpret=False),
-               functools.partial(torch_side.backward, interpret=False)),
-    "interpret": (functools.partial(torch_side.forward, interpret=True),
-                  functools.partial(torch_side.backward, interpret=True)),
-    "xla": (torch_blockwise.forward, torch_blockwise.backward),
-}
-
+from . import internals, spmd
+from .backend import Backend, blockwise
+from .request import Options, Request, Tensors, accumulation_dtype
 
 _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, derived from Options' fields
+_TENSORS = Tensors.op_schema()  # the call's tensors, derived from Tensors' declaration
+_GRADS = Tensors.grad_names()  # the backward op's results, in this order
+_ALWAYS = [d.name for d in Tensors.declared() if d.grad and not d.optional]  # computed whether wanted or not
+_N = len(Tensors.declared())  # the ops' arguments: the tensors, then the backend's name, then the options
 
 
-def _trace_key(impl: str, q: torch.Tensor) -> tuple:
-    """What a body's trace depends on beyond its arguments: the implementation, and the TPU
-    generation the pallas kernels read their VMEM limit from."""
-    return impl, devices.tpu_generation(q.device)
+def _forward_body(forward, *args):
+    """``forward(Tensors, Options)`` on the op's flat arguments (tensors, then the Options)."""
+    *tensors, options = args
+    return forward(Tensors(*tensors), options)
+
+
+def _backward_body(backward, do, dlse, out, lse, *args):
+    """``backward(...)`` on the op's flat arguments; its {name: gradient} as a tuple in ``_GRADS``' order."""
+    *tensors, options, wanted = args
+    grads = backward(do, dlse, out, lse, Tensors(*tensors), options, wanted)
+    return tuple(grads.get(name) for name in _GRADS)
 
 
 @torch.library.custom_op(
     "torchattn::attention_forward", mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? segment_ids, Tensor? kv_segment_ids, Tensor? bias, "
-           f"Tensor? dropout_key, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
-def attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
-    return internals.traced_once("torchattn::attention_forward", IMPLEMENTATIONS[impl][0], _trace_key(impl, q), q, k, v,
-                                 segment_ids, kv_segment_ids, bias, dropout_key, Options.from_op_arguments(options))
+    schema=f"({_TENSORS}, str impl, {_OPTIONS}) -> (Tensor, Tensor)")
+def attention_forward(*args):
+    tensors, impl, options = args[:_N], args[_N], args[_N + 1:]
+    return internals.traced_once("torchattn::attention_forward",
+                                 functools.partial(_forward_body, blockwise(impl).forward),
+                                 impl, *tensors, Options.from_op_arguments(options))
 
 
 @attention_forward.register_fake
-def _(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options):
+def _(*args):
+    q = args[0]
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=accumulation_dtype(q.dtype))
 
 
 @torch.library.custom_op(
     "torchattn::attention_backward", mutates_args=(),
-    schema="(Tensor do, Tensor dlse, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? segment_ids, "
-           "Tensor? kv_segment_ids, Tensor? bias, Tensor? dropout_key, str impl, bool bias_grad, "
-           f"{_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
-def attention_backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, impl, bias_grad,
-                       *options):
-    dq, dk, dv, dbias = internals.traced_once("torchattn::attention_backward", IMPLEMENTATIONS[impl][1],
-                                              _trace_key(impl, q), do,
-                                              dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key,
-                                              Options.from_op_arguments(options), bias_grad)
-    # custom ops cannot return None: an empty tensor stands for "no bias gradient".
-    return dq, dk, dv, dbias if dbias is not None else q.new_empty(0)
+    schema=f"(Tensor do, Tensor dlse, Tensor out, Tensor lse, {_TENSORS}, str impl, str[] wanted, "
+           f"{_OPTIONS}) -> ({', '.join('Tensor' for _ in _GRADS)})")
+def attention_backward(do, dlse, out, lse, *args):
+    tensors, impl, wanted, options = args[:_N], args[_N], args[_N + 1], args[_N + 2:]
+    grads = internals.traced_once("torchattn::attention_backward",
+                                  functools.partial(_backward_body, blockwise(impl).backward),
+                                  impl, do, dlse, out, lse, *tensors,
+                                  Options.from_op_arguments(options), tuple(wanted))
+    # custom ops cannot return None: an empty tensor stands for "no gradient".
+    return tuple(do.new_empty(0) if grad is None else grad for grad in grads)
 
 
 @attention_backward.register_fake
-def _(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, impl, bias_grad, *options):
-    dbias = torch.empty_like(bias) if bias_grad else q.new_empty(0)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+def _(do, dlse, out, lse, *args):
+    tensors, wanted = Tensors(*args[:_N]), args[_N + 1]
+    return tuple(torch.empty_like(getattr(tensors, name)) if name in _ALWAYS or name in wanted else do.new_empty(0)
+                 for name in _GRADS)
 
 
 class _BackwardFunction(torch.autograd.Function):
@@ -106,67 +108,70 @@ class _BackwardFunction(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        pass
+        ctx.impl = inputs[4 + _N]  # do, dlse, out, lse, the tensors, then the backend's name
 
     @staticmethod
     def backward(ctx, *grads):
         raise NotImplementedError(
-            "torchattn does not support double backward (second-order gradients) on the 'pallas', "
-            "'interpret' and 'xla' backends: their backward pass has no derivative of its own. "
+            f"torchattn does not support double backward (second-order gradients) on the {ctx.impl!r} "
+            "backend: its backward pass has no derivative of its own. "
             "Use backend='reference' (dense) for higher-order gradients.")
 
 
-class FlashAttentionFunction(torch.autograd.Function):
-    """``options``: :meth:`Options.op_arguments` as one tuple, passed through to the custom ops.
+def _signature(*names: str) -> inspect.Signature:
+    return inspect.Signature([inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names])
 
-    One argument, not ``*options``: when no input needs grad, dynamo inlines ``forward`` and
-    decides whether to pass it a ctx by counting its parameters; a ``*args`` parameter makes it
-    pass one, which then reaches the custom op ("'AutogradFunctionContextVariable' object has
-    no attribute 'proxy'").
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """``apply(*Tensors.values(), impl, options)``; ``options``: :meth:`Options.op_arguments` as one
+    tuple, passed through to the custom ops.
+
+    ``forward`` takes ``*args`` but states one parameter per declared tensor (``__signature__``):
+    when no input needs grad, dynamo inlines ``forward`` and decides whether to pass it a ctx by
+    counting the parameters of its signature; a bare ``*args`` makes it pass one, which then reaches
+    the custom op ("'AutogradFunctionContextVariable' object has no attribute 'proxy'").
     """
 
-    @staticmethod
-    def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options):
-        return attention_forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, *options)
+    def forward(*args):
+        *tensors, impl, options = args
+        return attention_forward(*tensors, impl, *options)
+
+    forward.__signature__ = _signature(*Tensors.names(), "impl", "options")
+    forward = staticmethod(forward)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key)
+        *tensors, impl, options = inputs
+        ctx.save_for_backward(*output, *tensors)
         ctx.impl, ctx.options = impl, options
 
     @staticmethod
-    def vmap(info, in_dims, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options):
+    def vmap(info, in_dims, *args):
         raise NotImplementedError(
-            f"torch.vmap over torchattn.flash_attention is not supported on the {impl!r} backend: "
+            f"torch.vmap over torchattn.flash_attention is not supported on the {args[-2]!r} backend: "
             "its kernels take exactly one batch dimension. Fold the mapped dimension into the batch "
             "(dim 0) and call flash_attention once.")
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key = ctx.saved_tensors
-        bias_grad = bias is not None and ctx.needs_input_grad[5]
+        out, lse, *tensors = ctx.saved_tensors
+        needs = dict(zip(Tensors.names(), ctx.needs_input_grad))
+        present = dict(zip(Tensors.names(), tensors))
+        wanted = [name for name in _GRADS if name not in _ALWAYS and present[name] is not None and needs[name]]
         # Grad is enabled here only under create_graph=True or torch.func: then the result must be
         # able to refuse a further backward.
         backward_op = _BackwardFunction.apply if torch.is_grad_enabled() else attention_backward
-        dq, dk, dv, dbias = backward_op(dout, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids,
-                                        bias, dropout_key, ctx.impl, bias_grad, *ctx.options)
-        return dq, dk, dv, None, None, dbias if bias_grad else None, None, None, None
+        grads = dict(zip(_GRADS, backward_op(dout, dlse, out, lse, *tensors, ctx.impl, wanted, *ctx.options)))
+        return (*(grads[name] if name in _ALWAYS or name in wanted else None for name in Tensors.names()), None, None)
 
 
-# Under SPMD the kernels run on each device's shard (torchattn/spmd.py): GSPMD cannot partition a custom
-# call or call_jax's program. The xla implementation is torch ops GSPMD partitions itself (and XLA's
-# partitioner rejects its loop inside a manual-sharding region: "Check failed: !IsManual()").
-PER_DEVICE = ("pallas", "interpret")
+def apply(impl: str, options: tuple, tensors: Tensors):
+    """The autograd Function on ``tensors`` (one device's, under SPMD); returns (out, lse)."""
+    return FlashAttentionFunction.apply(*tensors.values(), impl, options)
 
 
-def blockwise_attention(request: Request, impl: str):
-    """Runs ``request`` on a blockwise implementation; returns (out, lse or None)."""
-    options = request.options.op_arguments()
-
-    def attention(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key):
-        return FlashAttentionFunction.apply(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, impl, options)
-
-    out, lse = spmd.run(request, attention, per_device=impl in PER_DEVICE)
+def blockwise_attention(request: Request, backend: Backend):
+    """Runs ``request`` on a blockwise backend; returns (out, lse or None)."""
+    out, lse = spmd.run(request, functools.partial(apply, backend.name, request.options.op_arguments()),
+                        per_device=backend.per_device)
     return out, (lse if request.return_lse else None)

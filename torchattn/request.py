@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from . import dropout
 from .block_sizes import BlockSizes
 from .masks import diagonal_bounds
 
@@ -30,6 +31,7 @@ _OP_TYPES = {
     "bool": ("bool", _same, _same),
     "float": ("float", _same, _same),
     "float | None": ("float?", _same, _same),
+    "str | None": ("str?", _same, _same),
     "tuple[int | None, int | None] | None": ("int?[]?", _same, lambda pair: None if pair is None else tuple(pair)),
     "BlockSizes": ("int[]", _sizes, lambda sizes: BlockSizes(*sizes)),
 }
@@ -48,6 +50,8 @@ class Options:
     softcap: logits -> softcap * tanh(logits / softcap), None = off.
     block_sizes: resolved for this call: the caller's clamped to the lengths, or the
         default for the device's TPU generation (see ``BlockSizes.default``).
+    generation: the TPU generation the call runs on ("v5e", ...; torchattn.generations), None off
+        TPU: the kernels read their VMEM limit from it, so it is part of every trace's key.
     """
 
     causal: bool
@@ -56,6 +60,7 @@ class Options:
     softcap: float | None
     dropout_p: float
     block_sizes: BlockSizes
+    generation: str | None = None
 
     @property
     def bounds(self) -> tuple[int | None, int | None]:
@@ -78,6 +83,79 @@ class Options:
         return cls(*[_OP_TYPES[field.type][2](value) for field, value in zip(dataclasses.fields(cls), arguments)])
 
 
+# The shape role of a call's tensor: what its dims run along, which sets how it is padded for the kernels and
+# cut under SPMD (torchattn/spmd.py). Every role leads with batch; ``heads`` in a declaration adds the heads dim.
+Q_ROWS = "per q row"  # (batch, [heads,] q_len, ...)
+KV_ROWS = "per kv row"  # (batch, [heads,] kv_len, ...)
+PAIRS = "per (q, kv) pair"  # (batch|1, heads|1, q_len|1, kv_len|1): broadcast dims are 1
+BATCH_HEADS = "per batch/head"  # (batch shards, head shards, ...): one entry per device's (batch, heads) shard
+
+
+def _tensor(role: str, *, heads: bool, grad: bool = False, optional: bool = True):
+    return dataclasses.field(metadata=dict(role=role, heads=heads, grad=grad, optional=optional))
+
+
+@dataclasses.dataclass
+class Tensors:
+    """The tensors of one call as they cross the custom ops' boundary: one declaration, from which the ops'
+    tensor arguments, their fakes, the autograd Function's saved tensors and gradients, SPMD's shard rules and the
+    kernels' inputs are derived. Each field names its shape role, whether it has a heads dim and whether it gets
+    a gradient (an optional one only when it requires grad). A new tensor input is a new field here.
+
+    dropout_key: int64 (3,) on the op side (torchattn.dropout.keys); the global form, before SPMD cuts it,
+    is the (batch shards, head shards, 3) table.
+    """
+
+    q: torch.Tensor = _tensor(Q_ROWS, heads=True, grad=True, optional=False)
+    k: torch.Tensor = _tensor(KV_ROWS, heads=True, grad=True, optional=False)
+    v: torch.Tensor = _tensor(KV_ROWS, heads=True, grad=True, optional=False)
+    segment_ids: torch.Tensor | None = _tensor(Q_ROWS, heads=False)
+    kv_segment_ids: torch.Tensor | None = _tensor(KV_ROWS, heads=False)
+    bias: torch.Tensor | None = _tensor(PAIRS, heads=True, grad=True)
+    dropout_key: torch.Tensor | None = _tensor(BATCH_HEADS, heads=True)
+
+    @classmethod
+    def declared(cls) -> tuple[Declared, ...]:
+        """Each field's declaration, in order."""
+        return _DECLARED
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [d.name for d in _DECLARED]
+
+    @classmethod
+    def grad_names(cls) -> list[str]:
+        """The fields that get a gradient, in declaration order."""
+        return [d.name for d in _DECLARED if d.grad]
+
+    @classmethod
+    def op_schema(cls) -> str:
+        """The fields as custom-op schema arguments: "Tensor q, ..., Tensor? bias, ..."."""
+        return ", ".join(f"Tensor{'?' if d.optional else ''} {d.name}" for d in _DECLARED)
+
+    def values(self) -> list:
+        """The fields in declaration order (not dataclasses.astuple, which copies tensors)."""
+        return [getattr(self, d.name) for d in _DECLARED]
+
+    def map(self, fn) -> Tensors:
+        """``fn(declared, value)`` applied to every present field; absent (None) ones stay None."""
+        return Tensors(*[None if value is None else fn(d, value) for d, value in zip(_DECLARED, self.values())])
+
+
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """One field of :class:`Tensors` as declared (a plain object: torch.compile cannot trace field metadata)."""
+
+    name: str
+    role: str
+    heads: bool
+    grad: bool
+    optional: bool
+
+
+_DECLARED = tuple(Declared(field.name, **field.metadata) for field in dataclasses.fields(Tensors))
+
+
 @dataclasses.dataclass
 class Request:
     """Inputs after validation.
@@ -98,6 +176,13 @@ class Request:
     seed: torch.Tensor | None
     options: Options
     return_lse: bool
+
+    def tensors(self, batch_shards: int = 1, head_shards: int = 1) -> Tensors:
+        """The call's tensors, global, with the dropout key table of ``batch_shards`` x ``head_shards`` shards."""
+        key = None if self.seed is None else dropout.keys(self.seed, self.batch, self.q_heads, batch_shards,
+                                                          head_shards)
+        # The dropout key comes from the seed; every other declared tensor is the field of the same name here.
+        return Tensors(*[key if d.name == "dropout_key" else getattr(self, d.name) for d in _DECLARED])
 
     @property
     def batch(self) -> int:

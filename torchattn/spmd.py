@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dropout, once
-from .request import Request
+from . import once
+from .request import BATCH_HEADS, PAIRS, Request
 
 # The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
 # them when it matches no mesh torchattn knows.
@@ -197,11 +197,9 @@ def _check(sharding: Sharding, request: Request) -> None:
 
 
 def run(request: Request, attention, *, per_device: bool):
-    """Runs ``attention(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key) -> (out, lse)``
-    on each device's shard of ``request`` when ``per_device`` and it is sharded, else once on
-    the global tensors; returns global (out, lse)."""
-    q, k, v, bias, seed = request.q, request.k, request.v, request.bias, request.seed
-    batch, q_heads = q.shape[:2]
+    """Runs ``attention(Tensors) -> (out, lse)`` on each device's shard of ``request`` when ``per_device``
+    and it is sharded, else once on the global tensors; returns global (out, lse)."""
+    q = request.q
     sharding = resolve(request)
     if sharding is None and per_device and xla_spmd(request):
         once.warn(("spmd", "unsharded"),
@@ -215,27 +213,30 @@ def run(request: Request, attention, *, per_device: bool):
                   f"heads sharded over {sharding.heads} inside its loop (XLA's partitioner rejects the loop in a "
                   "manual-sharding region). The 'pallas' backend (TPU) runs per device.", stacklevel=5)
     if not per_device or not isinstance(sharding, Sharding):
-        key = None if seed is None else dropout.keys(seed, batch, q_heads)[0, 0]
-        return attention(q, k, v, request.segment_ids, request.kv_segment_ids, bias, key)
+        return attention(request.tensors().map(_one_shard))
     b, h = sharding.batch, sharding.heads
-    rows, per_row, ids = sharding.spec(b, h, None, None), sharding.spec(b, h, None), sharding.spec(b, None)
+    tensors = request.tensors(sharding.ways(b), sharding.ways(h))
+    out, lse = attention(tensors.map(lambda field, t: _one_shard(field, _local(sharding, field, t))))
+    return (_ToGlobal.apply(out, sharding.mesh, sharding.spec(b, h, None, None), q.shape),
+            _ToGlobal.apply(lse, sharding.mesh, sharding.spec(b, h, None), q.shape[:3]))
 
-    def local(t, spec, summed=None):
-        return None if t is None else _ToLocal.apply(t, sharding.mesh, spec, summed)
 
-    key = None
-    if seed is not None:
-        keys = dropout.keys(seed, batch, q_heads, sharding.ways(b), sharding.ways(h))
-        key = local(keys, per_row).view(3)
-    if bias is not None:
-        # A bias broadcast over batch (or heads) is whole on each device; its gradient is summed over the shards.
-        summed = {dim: axes for dim, axes in ((0, b), (1, h)) if bias.shape[dim] == 1 and axes}
-        bias = local(bias, sharding.spec(*(() if dim in summed else axes for dim, axes in ((0, b), (1, h))),
-                                         None, None), summed or None)
-    out, lse = attention(local(q, rows), local(k, rows), local(v, rows), local(request.segment_ids, ids),
-                         local(request.kv_segment_ids, ids), bias, key)
-    return (_ToGlobal.apply(out, sharding.mesh, rows, q.shape),
-            _ToGlobal.apply(lse, sharding.mesh, per_row, q.shape[:3]))
+def _local(sharding: Sharding, field, t: torch.Tensor) -> torch.Tensor:
+    """This device's shard of the declared tensor ``field`` (torchattn.request.Tensors): cut along batch
+    (dim 0) and, for a field with heads, heads (dim 1); everything after stays whole."""
+    cut = (sharding.batch, sharding.heads) if field.heads else (sharding.batch,)
+    summed = None
+    if field.role == PAIRS:
+        # A dim broadcast over batch (or heads) is whole on each device; its gradient is summed over the shards.
+        summed = {dim: axes for dim, axes in enumerate(cut) if t.shape[dim] == 1 and axes} or None
+        cut = tuple(() if summed and dim in summed else axes for dim, axes in enumerate(cut))
+    spec = sharding.spec(*cut, *(None,) * (t.dim() - len(cut)))
+    return _ToLocal.apply(t, sharding.mesh, spec, summed)
+
+
+def _one_shard(field, t: torch.Tensor) -> torch.Tensor:
+    """A per-batch/head table holds one entry per device: each device's call takes its own, flat."""
+    return t.view(t.shape[2:]) if field.role == BATCH_HEADS else t
 
 
 class _ToLocal(torch.autograd.Function):

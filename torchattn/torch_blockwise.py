@@ -32,17 +32,18 @@ import torch.nn.functional as F
 from . import internals, masks
 from .dropout import column_keys, element_bits, keep_threshold, row_keys
 from .kernels.block_geometry import BlockGeometry
-from .request import accumulation_dtype
+from .request import Tensors, accumulation_dtype
 
 _NEG_INF = float("-inf")
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
+def forward(tensors: Tensors, options):
     import torch_xla.debug.profiler as xp
 
+    q = tensors.q
     with xp.Trace("torchattn.xla.forward"):
-        lay = _Layout(q, k, bias, options.block_sizes.block_q, options.block_sizes.block_kv)
-        data = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
+        lay = _Layout(q, tensors.k, tensors.bias, options.block_sizes.block_q, options.block_sizes.block_kv)
+        data = _prepare(lay, tensors, options)
         tiles = _tiles(lay, options, by_kv=False, device=q.device)
         rows_shape = (lay.B, lay.Hkv, lay.rows, 1)
         zeros = dict(dtype=lay.compute, device=q.device)
@@ -81,12 +82,14 @@ def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
         return out, lay.from_q_blocks(lse).squeeze(-1)  # (B, Hq, Sq), compute dtype
 
 
-def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, options, bias_grad):
+def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
+    """{name: gradient} of q, k, v and, if in ``wanted``, the bias."""
     import torch_xla.debug.profiler as xp
 
+    q, k, bias, bias_grad = tensors.q, tensors.k, tensors.bias, "bias" in wanted
     with xp.Trace("torchattn.xla.backward"):
         lay = _Layout(q, k, bias, options.block_sizes.block_q_bwd, options.block_sizes.block_kv_bwd)
-        data = _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options)
+        data = _prepare(lay, tensors, options)
         tiles = _tiles(lay, options, by_kv=True, device=q.device)
         do = do.to(lay.compute)
         # delta = rowsum(dO * O) - dlse: the softmax backward's row term, plus lse's own gradient.
@@ -127,10 +130,10 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dro
         (grads, _), _ = internals.scan(step, (grads, data), tiles)
         dq = (lay.from_q_blocks(grads[0]) * options.scale).to(q.dtype)  # (B, Hq, Sq, D)
         dk, dv = (_merge(g, 3, lay.Skv).to(k.dtype) for g in grads[1:3])  # (B, Hkv, Skv, D)
-        dbias = None
+        result = dict(q=dq, k=dk, v=dv)
         if bias_grad:
-            dbias = _bias_from_blocks(lay, grads[3], bias).to(bias.dtype)
-        return dq, dk, dv, dbias
+            result["bias"] = _bias_from_blocks(lay, grads[3], bias).to(bias.dtype)
+        return result
 
 
 class _Layout:
@@ -188,9 +191,11 @@ def _tiles(lay, options, by_kv, device):
     return tiles
 
 
-def _prepare(lay, q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options):
+def _prepare(lay, tensors: Tensors, options):
     """Loop invariants, grouped by the index that picks a step's block out of them:
     ``q`` (leading dim nq), ``kv`` (nk), ``bias`` (bias blocks) and ``const`` (taken whole)."""
+    q, k, v, bias = tensors.q, tensors.k, tensors.v, tensors.bias
+    segment_ids, kv_segment_ids, dropout_key = tensors.segment_ids, tensors.kv_segment_ids, tensors.dropout_key
     dev = q.device
     idx = dict(dtype=torch.int64, device=dev)
     by_q = {"q": lay.q_blocks(q.to(lay.compute)) * options.scale}  # (nq, B, Hkv, G * bq, D)

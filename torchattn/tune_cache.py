@@ -16,11 +16,15 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from . import devices
 from .block_sizes import BlockSizes
+
+if TYPE_CHECKING:
+    from .request import Request
 
 ENV_VAR = "TORCHATTN_TUNE_CACHE"
 FORMAT = 1  # version of the file's layout: a file with another one is ignored
@@ -43,14 +47,15 @@ class Key:
     dropout: bool
 
     @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool, window, softcap, segment_ids, bias,
-           dropout_p: float) -> Key:
-        """The key of a call, from flash_attention's validated arguments (bias 4-D, window a tuple)."""
+    def of(cls, request: Request) -> Key:
+        """The key of a validated call (torchattn.request.Request: bias 4-D, window a tuple)."""
+        q, bias, o = request.q, request.bias, request.options
         return cls(device_kind=device_kind(q.device), dtype=str(q.dtype).removeprefix("torch."),
-                   q_shape=tuple(q.shape), k_shape=tuple(k.shape),
-                   causal=causal, window=window, softcap=softcap is not None, segments=segment_ids is not None,
+                   q_shape=tuple(q.shape), k_shape=tuple(request.k.shape),
+                   causal=o.causal, window=o.window, softcap=o.softcap is not None,
+                   segments=request.segment_ids is not None,
                    bias=None if bias is None else tuple(bias.shape), bias_grad=bias is not None and bias.requires_grad,
-                   dropout=dropout_p > 0)
+                   dropout=o.dropout_p > 0)
 
     @classmethod
     def from_json(cls, fields: dict) -> Key:
@@ -82,8 +87,8 @@ def path() -> Path:
     return Path(base) / "torchattn" / "block_sizes.json"
 
 
-def lookup(q, k, causal, window, softcap, segment_ids, bias, dropout_p) -> BlockSizes | None:
-    """The tuned block sizes for this call (flash_attention's validated arguments), or None.
+def lookup(request: Request) -> BlockSizes | None:
+    """The tuned block sizes for this validated call, or None.
 
     None while torch.compile traces the call: its tracer cannot follow the file read or the
     device query, so compiled calls get the default (or explicit) block sizes."""
@@ -92,7 +97,7 @@ def lookup(q, k, causal, window, softcap, segment_ids, bias, dropout_p) -> Block
     entries = _loaded()
     if not entries:  # nothing tuned: no key to build
         return None
-    found = entries.get(Key.of(q, k, causal, window, softcap, segment_ids, bias, dropout_p))
+    found = entries.get(Key.of(request))
     return None if found is None else found.block_sizes
 
 

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from . import autograd, backends, devices, generations, tune_cache
+from . import api, backends, generations, tune_cache
 from .block_sizes import BlockSizes, candidate_pairs
-from .kernels import vmem
+from .kernels import torch_side, vmem
 from .types import is_bool, type_name
 
 Timer = Callable[[BlockSizes, Callable[[], None]], float]
@@ -63,10 +63,11 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "a
         raise ValueError(f"calls: expected an int >= 1, got {calls!r}")
     if timer is not None and not callable(timer):
         raise TypeError(f"timer: expected a callable (block_sizes, step) -> seconds or None, got {type_name(timer)}")
-    request = _validated(q, k, v, features)
+    request = api.validated(q, k, v, **features)
     chosen = backends.choose(request, backend).backend
-    if chosen not in autograd.IMPLEMENTATIONS:
-        raise ValueError(f"backend: expected one with block sizes ({sorted(autograd.IMPLEMENTATIONS)}) to tune, "
+    if not backends.BACKENDS[chosen].blockwise:
+        tunable = sorted(name for name, b in backends.BACKENDS.items() if b.blockwise)
+        raise ValueError(f"backend: expected one with block sizes ({tunable}) to tune, "
                          f"got {chosen!r} for {backend!r} on a {request.device.type} device")
     step = _step(q, k, v, features, chosen)
     timings: dict[BlockSizes, float] = {}
@@ -82,27 +83,12 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "a
         best = _search(request, chosen, seconds)
     else:
         best = min(_checked_candidates(candidates, request.q_len, request.kv_len), key=seconds)
-    o = request.options
-    key = tune_cache.Key.of(request.q, request.k, o.causal, o.window, o.softcap, request.segment_ids,
-                            request.bias, o.dropout_p)
-    tune_cache.store(key, tune_cache.Tuned(best, tuple(timings.items())))
+    tune_cache.store(tune_cache.Key.of(request), tune_cache.Tuned(best, tuple(timings.items())))
     return best
-
-
-def _validated(q, k, v, features):
-    """flash_attention's own validation of these arguments (unknown names raise TypeError)."""
-    from . import api
-
-    arguments = api._SIGNATURE.bind(q, k, v, **features)
-    arguments.apply_defaults()
-    del arguments.arguments["backend"]
-    return api._validate(**arguments.arguments)
 
 
 def _step(q, k, v, features, backend) -> Callable[[BlockSizes], None]:
     """step(block_sizes): one forward+backward of the call on fresh leaves, waited for."""
-    from .api import flash_attention
-
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
     bias = features.get("bias")
     if bias is not None and bias.requires_grad:  # its gradient is work the real call does too
@@ -110,7 +96,7 @@ def _step(q, k, v, features, backend) -> Callable[[BlockSizes], None]:
         leaves.append(features["bias"])
 
     def step(block_sizes: BlockSizes) -> None:
-        out = flash_attention(*leaves[:3], block_sizes=block_sizes, backend=backend, **features)
+        out = api.flash_attention(*leaves[:3], block_sizes=block_sizes, backend=backend, **features)
         torch.autograd.grad(out, leaves, torch.ones_like(out))
         _wait(q.device)
 
@@ -161,15 +147,13 @@ def _checked_candidates(candidates, q_len: int, kv_len: int) -> list[BlockSizes]
 
 def _search(request, backend: str, seconds: Callable[[BlockSizes], float]) -> BlockSizes:
     """The default candidates (see tune): the forward pair, then the backward pair."""
-    generation = devices.tpu_generation(request.device)
+    generation = request.options.generation
     start = BlockSizes.default(request.q_len, request.kv_len, request.head_dim, generation)
     pairs = candidate_pairs(request.q_len, request.kv_len)
     forward_pairs, backward_pairs = pairs, pairs
-    if backend == "pallas" and generation is not None:  # what does not fit VMEM would be refused at the call
-        from .backends.pallas import operands
-
+    if backends.BACKENDS[backend].vmem_checked and generation is not None:  # would be refused at the call
         available = generations.get(generation).usable_vmem_bytes
-        needs = functools.partial(vmem.kernel_bytes, operands=operands(request))
+        needs = functools.partial(vmem.kernel_bytes, operands=torch_side.vmem_operands(request))
 
         def fit(kernels):
             return [(bq, bkv) for bq, bkv in pairs

@@ -76,11 +76,9 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         return 1
     finally:
         trainer.close()
-    print(summary_table(summary))
-    if "accuracy" in summary:
-        print(f"accuracy {summary['accuracy']:.4f}\nmacro-F1 {summary['macro_f1']:.4f}")
-    else:
-        print(f"perplexity {summary['perplexity']:.3f}")
+    results = trainer.task.result_rows(summary)
+    print(summary_table(summary, results))
+    print("\n".join(f"{name} {value}" for name, value in results if name in trainer.task.HEADLINE))
     return 0
 
 

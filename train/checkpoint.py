@@ -5,10 +5,10 @@ atomic on POSIX), so a preemption while writing leaves the previous checkpoint i
 never half of a new one: ``latest()`` only sees renamed ones. What goes in it is the
 trainer's ``state_dict()`` (model, optimizer, scheduler, data position) plus the RNG states
 of Python, NumPy, torch's CPU generator (patches draws torchattn's dropout seeds from it)
-and the XLA device. Two formats:
+and the XLA device. Two formats, one interface (:func:`format_of`):
 
 - ``<output_dir>/checkpoints/step-<step>.pt``, one file written by the main process, when
-  each process holds whole tensors (no ``--mesh``).
+  each process holds whole tensors (no ``--mesh``; train/file_checkpoint.py).
 - ``<output_dir>/checkpoints/step-<step>/``, a folder, when tensors are sharded over a
   torch_xla SPMD mesh (train/sharded_checkpoint.py).
 
@@ -22,29 +22,20 @@ older ones, so the newest intact checkpoint is never deleted for one that is not
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import random
 import re
 import shutil
-import struct
+import types
 
 import numpy as np
 import torch
 
-from . import durable, sharded_checkpoint
-from .durable import to_cpu
+from . import file_checkpoint, sharded_checkpoint
 
 DIRECTORY = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
 _TEMPORARY = re.compile(r"^step-(\d+)(\.pt)?\.tmp")
-
-# A checkpoint file is torch.save's zip archive with this comment: the SHA-256 of the archive as
-# torch.save wrote it (whose end-of-central-directory record says "no comment").
-_DIGEST_PREFIX = b"torchattn-sha256:"
-_COMMENT_LENGTH = len(_DIGEST_PREFIX) + 64
-_END_RECORD = 22  # zip's end-of-central-directory record without comment; its last 2 bytes: comment length
-_END_SIGNATURE = b"PK\x05\x06"
 
 
 class Damaged(Exception):
@@ -82,6 +73,7 @@ class Checkpointer:
         self.keep = keep
         self.writer = writer
         self.sharded = sharded
+        self.format = sharded_checkpoint if sharded else file_checkpoint  # the one this checkpointer writes
 
     def due(self, step: int) -> bool:
         """Whether the loop's ``step`` is a regular checkpoint step."""
@@ -102,7 +94,7 @@ class Checkpointer:
 
     def path(self, step: int) -> str:
         """Where this checkpointer writes the checkpoint of ``step``."""
-        return os.path.join(self.directory, f"step-{step:08d}" + ("" if self.sharded else ".pt"))
+        return os.path.join(self.directory, f"step-{step:08d}" + self.format.SUFFIX)
 
     def latest(self) -> str | None:
         names = self._checkpoints()
@@ -112,10 +104,7 @@ class Checkpointer:
         """Writes ``state`` (tensors may live on the XLA device) as the checkpoint of ``step``; raises
         the OSError of a failed write, or EIO when what is on disk does not verify."""
         path = self.path(step)
-        if self.sharded:
-            sharded_checkpoint.save(state, path, writer=self.writer)
-        elif self.writer:
-            _save_file(state, path)
+        self.format.save(state, path, writer=self.writer)
         if self.writer:
             try:
                 verify(path)  # read back: older checkpoints go only once this one is whole on disk
@@ -170,84 +159,33 @@ class Checkpointer:
         state_dict(), tensors on the device with their shardings and the optimizer's state
         already created (torch_xla's prime_optimizer), so each process reads only what it holds.
         """
-        if os.path.isdir(path) and template is None:
+        form = format_of(path)
+        if form.NEEDS_TEMPLATE and template is None:
             raise ValueError(f"load: {path} is a sharded checkpoint; expected a template (the run's state "
                              "on the device) to read it into, got None")
         verify(path)
-        if os.path.isdir(path):
-            state = sharded_checkpoint.load(path, template())
-        else:
-            try:
-                # Our own file, holding NumPy's RNG state (not loadable with weights_only=True).
-                state = torch.load(path, map_location="cpu", weights_only=False)
-            except Exception as error:  # verified, yet not a state this torch can read
-                raise Damaged(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
+        try:
+            state = form.load(path, template() if form.NEEDS_TEMPLATE else None)
+        except form.READ_ERRORS as error:  # verified, yet not a state this torch can read
+            raise Damaged(f"{path}: cannot be read ({type(error).__name__}: {error})") from None
         missing = [key for key in required if not isinstance(state, dict) or key not in state]
         if missing:
             raise Damaged(f"{path}: not a training checkpoint (no {', '.join(missing)})")
         return state
 
 
+def format_of(path: str) -> types.ModuleType:
+    """The format of the checkpoint at ``path``: a folder is sharded (train/sharded_checkpoint.py), a
+    file is one file (train/file_checkpoint.py). Both have SUFFIX, NEEDS_TEMPLATE, READ_ERRORS and
+    save(state, path, writer=), verify(path) -> problem or None, load(path, template)."""
+    return sharded_checkpoint if os.path.isdir(path) else file_checkpoint
+
+
 def verify(path: str) -> None:
     """Raises Damaged unless the checkpoint at ``path`` (a file or a sharded folder) matches its digest."""
-    if os.path.isdir(path):
-        problem = sharded_checkpoint.verify(path)
-        if problem:
-            raise Damaged(f"{path}: {problem}")
-        return
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        f.seek(max(size - _END_RECORD - _COMMENT_LENGTH, 0))
-        end = f.read()
-    comment = end[_END_RECORD:]
-    if (len(end) < _END_RECORD + _COMMENT_LENGTH or not end.startswith(_END_SIGNATURE)
-            or not comment.startswith(_DIGEST_PREFIX)):
-        raise Damaged(f"{path}: damaged or truncated ({size} bytes, no digest at the end)")
-    digest = durable.sha256_file(path, size - _COMMENT_LENGTH - 2)
-    digest.update(b"\0\0")  # the comment length torch.save wrote
-    if digest.hexdigest().encode() != comment[len(_DIGEST_PREFIX):]:
-        raise Damaged(f"{path}: damaged (its content does not match its SHA-256 digest)")
-
-
-class _DigestingWriter:
-    """Passes torch.save's zip archive on to ``file`` while hashing it, holding back its last
-    _END_RECORD bytes; ``finish()`` writes them with the digest as the archive's comment."""
-
-    def __init__(self, file):
-        self.file = file
-        self.sha256 = hashlib.sha256()
-        self.held = b""
-
-    def write(self, data) -> int:
-        view = memoryview(data).cast("B")
-        self.sha256.update(view)
-        if len(view) >= _END_RECORD:
-            self.file.write(self.held)
-            self.file.write(view[:-_END_RECORD])
-            self.held = bytes(view[-_END_RECORD:])
-        else:
-            joined = self.held + bytes(view)
-            self.file.write(joined[:-_END_RECORD])
-            self.held = joined[-_END_RECORD:]
-        return len(view)
-
-    def flush(self) -> None:
-        self.file.flush()
-
-    def finish(self) -> None:
-        if not (self.held.startswith(_END_SIGNATURE) and self.held.endswith(b"\0\0")):
-            raise ValueError("torch.save's archive does not end with a comment-less end record")
-        comment = _DIGEST_PREFIX + self.sha256.hexdigest().encode()
-        self.file.write(self.held[:-2] + struct.pack("<H", len(comment)) + comment)
-
-
-def _save_file(state: dict, path: str) -> None:
-    def write(file):
-        writer = _DigestingWriter(file)
-        durable.torch_save(to_cpu(state), writer)
-        writer.finish()
-
-    durable.write_file(path, write)
+    problem = format_of(path).verify(path)
+    if problem:
+        raise Damaged(f"{path}: {problem}")
 
 
 def _remove(path: str) -> None:

@@ -43,6 +43,7 @@ import torch
 from torchattn import generations
 from torchattn.generations import GiB
 
+from . import tasks
 from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, positive_ints
 
 # The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
@@ -139,20 +140,6 @@ def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
     return found
 
 
-def synthetic_batch(config: RunConfig, vocab_size: int, length: int) -> dict[str, torch.Tensor]:
-    """A batch with the trainer's columns and shapes (train/data.py's BatchLoader), random tokens."""
-    rows = config.batch_size
-    input_ids = torch.randint(0, vocab_size, (rows, length))  # (B, L)
-    if config.task == "classification":
-        return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
-                "labels": torch.zeros(rows, dtype=torch.int64)}  # (B,)
-    first = length // 2  # two packed documents: positions restart at the second
-    positions = torch.cat([torch.arange(first), torch.arange(length - first)]).expand(rows, length)  # (B, L)
-    labels = input_ids.clone()
-    labels[:, [0, first]] = -100  # a document's first token predicts nothing
-    return {"input_ids": input_ids, "position_ids": positions.clone(), "labels": labels}
-
-
 def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
     """A graph argument of the tensor's shape and dtype that holds no buffer (reading it would abort)."""
     import torch_xla.core.xla_builder as xb
@@ -161,24 +148,15 @@ def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
-    """The run's model without weights: parameters are placeholders on the XLA device."""
+    """The run's model (models.build_model, as training builds it) without weights: parameters are
+    placeholders on the XLA device."""
     import torch_xla
-    from accelerate import init_empty_weights
 
     from . import models
 
-    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
-        model = models.model_class(config.task).from_config(
-            model_config, attn_implementation=models.attn_implementation(attn))
-    model.tie_weights()  # as from_pretrained does; empty weights come untied (tied embeddings: one parameter)
-    if attn == "torchattn":
-        import patches
-
-        patches.patch(model, backend=config.backend)
-    if config.grad_checkpointing:
-        from .recompute import enable_activation_checkpointing
-
-        enable_activation_checkpointing(model)
+    model = models.build_model(model_config, model=config.model, task=config.task, attn=attn,
+                               backend=config.backend, dropout=config.dropout,
+                               grad_checkpointing=config.grad_checkpointing, weights=None)
     placed = {}  # id of a meta parameter -> its placeholder parameter; tied weights stay tied
     for module in model.modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
@@ -217,7 +195,7 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)  # as the trainer's
     _steady_state(model, optimizer)
     text_config = model_config.get_text_config()
-    batch = synthetic_batch(config, text_config.vocab_size, length)
+    batch = tasks.get(config.task).synthetic_batch(config.batch_size, text_config.vocab_size, length)
     inputs = {name: tensor.to(torch_xla.device()) for name, tensor in batch.items()}
     loss = micro_batch_gradients(model, inputs, config)
     optimizer_update(model, optimizer, config)
@@ -333,11 +311,11 @@ def _sweep(config: RunConfig) -> int:
     target = resolve_target(config.compile_only)
     attns = [a.strip() for a in config.compile_attn.split(",")] if config.compile_attn else list(ATTNS)
     num_labels = None
-    if config.task == "classification":  # the head's size: the dataset's labels
+    if tasks.get(config.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)
         splits = data.load_splits(config.dataset, task=config.task, text_column=config.text_column,
                                   label_column=config.label_column, eval_fraction=config.eval_fraction,
                                   seed=config.seed)
-        num_labels = len(splits["train"].features["label"].names)
+        num_labels = len(tasks.get(config.task).label_names(splits))
     for attn in attns:
         models.check_run_model(task=config.task, num_labels=num_labels, attn=attn,
                                backend=config.backend if attn == "torchattn" else "auto", dropout=config.dropout)

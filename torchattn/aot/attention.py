@@ -8,7 +8,7 @@ import torch
 
 from ..block_sizes import BlockSizes
 from ..kernels import arguments, torch_side, vmem
-from ..request import Options
+from ..request import Request
 from .compiler import Compiled, compile_jax
 
 BIAS_KINDS = (None, "full", "broadcast")  # full: (batch, q_heads, q_len, kv_len); broadcast: (1, q_heads, 1, kv_len)
@@ -32,31 +32,40 @@ class Attention:
     bias: str | None = None
     dropout_p: float = 0.0
 
-    def options(self, block_sizes: BlockSizes) -> Options:
-        return Options(causal=self.causal, scale=self.head_dim**-0.5, window=self.window, softcap=self.softcap,
-                       dropout_p=self.dropout_p, block_sizes=block_sizes)
+    def request(self, block_sizes: BlockSizes | None = None, generation: str | None = None) -> Request:
+        """The call as ``flash_attention``'s own validation gives it to a backend on ``generation`` (meta
+        tensors: shapes only; the bias requires grad), with ``block_sizes`` as they are (default: the
+        generation's)."""
+        from ..api import validated
 
-    def specs(self, block_sizes: BlockSizes, generation: str):
-        """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
         meta = dict(device="meta", dtype=getattr(torch, self.dtype))
         q = torch.empty(self.batch, self.q_heads, self.q_len, self.head_dim, **meta)
         k = torch.empty(self.batch, self.kv_heads, self.kv_len, self.head_dim, **meta)
         bias = {None: None,
                 "full": torch.empty(self.batch, self.q_heads, self.q_len, self.kv_len, device="meta"),
                 "broadcast": torch.empty(1, self.q_heads, 1, self.kv_len, device="meta")}[self.bias]
-        ids = torch.empty(self.batch, self.q_len, device="meta", dtype=torch.int32) if self.segments else None
-        options = self.options(block_sizes)
+        ids = [torch.empty(self.batch, n, device="meta", dtype=torch.int32) if self.segments else None
+               for n in (self.q_len, self.kv_len)]
+        blocks = block_sizes if block_sizes is not None else self.default_block_sizes(generation)
+        request = validated(q, k, k, causal=self.causal, window=self.window, segment_ids=ids[0], kv_segment_ids=ids[1],
+                            softcap=self.softcap, bias=None if bias is None else bias.requires_grad_(),
+                            dropout_p=self.dropout_p, dropout_seed=0 if self.dropout_p > 0 else None,
+                            block_sizes=blocks)
+        request.options = dataclasses.replace(request.options, block_sizes=blocks, generation=generation)
+        return request
+
+    def specs(self, block_sizes: BlockSizes, generation: str):
+        """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
+        request = self.request(block_sizes, generation)
+        q, k, bias, ids, options = request.q, request.k, request.bias, request.segment_ids, request.options
         return (torch_side.kernel_spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv,
-                                       interpret=False, generation=generation),
+                                       interpret=False),
                 torch_side.kernel_spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
-                                       interpret=False, generation=generation))
+                                       interpret=False))
 
     def vmem_operands(self) -> vmem.Operands:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
-        bias = {None: None, "full": (self.q_len, self.kv_len), "broadcast": (1, self.kv_len)}[self.bias]
-        return vmem.Operands(head_dim=self.head_dim, dtype=self.dtype, segments=self.segments, bias=bias,
-                             bias_grad=self.bias is not None, dropout=self.dropout_p > 0,
-                             softcap=self.softcap is not None)
+        return torch_side.vmem_operands(self.request())
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)

@@ -1,19 +1,22 @@
 """Backend registry and the ``auto`` choice.
 
-Every backend is one small module exposing ``NAME``, ``unavailable(request) ->
-str | None`` (why it cannot serve this request, None if it can) and
-``run(request) -> (out, lse or None)``.
+Every backend is one small module exposing ``BACKEND``, a :class:`torchattn.backend.Backend`:
+what it serves (``unavailable``, for ``explain``) and how it runs (dense, or blockwise through
+the custom ops of torchattn/autograd.py). A new backend is a new module and its entry in
+``BACKENDS`` and ``_PREFERENCE``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from .. import devices, once
+from .. import autograd, devices, once
+from ..backend import Backend
+from ..kernels import torch_side, vmem
 from ..request import Request
 from . import interpret, pallas, reference, sdpa, xla
 
-BACKENDS = {m.NAME: m for m in (pallas, interpret, xla, reference, sdpa)}
+BACKENDS = {m.BACKEND.name: m.BACKEND for m in (pallas, interpret, xla, reference, sdpa)}
 
 # Preference per device kind. On XLA devices other than TPU the `xla` backend is
 # preferred to `interpret`: interpret mode emulates the TPU kernel (for testing)
@@ -57,8 +60,8 @@ def choose(request: Request, backend: str = "auto") -> Choice:
     return Choice(chosen, passed_over)
 
 
-def select(request: Request, backend: str = "auto"):
-    """The backend module to run; warns once per (backend, reason) on fallback."""
+def select(request: Request, backend: str = "auto") -> Backend:
+    """The backend to run; warns once per (backend, reason) on fallback."""
     choice = choose(request, backend)
     if backend == "auto":
         preferred = _PREFERENCE[devices.kind(request.device)][0]
@@ -68,3 +71,13 @@ def select(request: Request, backend: str = "auto"):
                       f"torchattn: backend {preferred!r} cannot serve this call ({reason}); "
                       f"falling back to {choice.backend!r}", stacklevel=3)
     return BACKENDS[choice.backend]
+
+
+def run(request: Request, backend: Backend):
+    """(out, lse or None) of ``request`` on ``backend``."""
+    if not backend.blockwise:
+        return backend.dense(request)
+    generation = request.options.generation
+    if backend.vmem_checked and generation is not None:
+        vmem.check_fits(generation, torch_side.vmem_operands(request), request.options.block_sizes)
+    return autograd.blockwise_attention(request, backend)

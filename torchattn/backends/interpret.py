@@ -6,16 +6,10 @@ torch_xla graph through ``call_jax``: how the kernels are proven without a TPU.
 
 from __future__ import annotations
 
-from .. import autograd
+import functools
+
+from ..backend import Backend
 from ..kernels import torch_side
-from ..request import Request
 
-NAME = "interpret"
-
-
-def unavailable(request: Request) -> str | None:
-    return torch_side.unavailable(request)
-
-
-def run(request: Request):
-    return autograd.blockwise_attention(request, NAME)
+BACKEND = Backend("interpret", torch_side.unavailable, forward=functools.partial(torch_side.forward, interpret=True),
+                  backward=functools.partial(torch_side.backward, interpret=True), per_device=True)

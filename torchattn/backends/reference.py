@@ -5,14 +5,9 @@ Builds the full (q_len x kv_len) matrix; serves every feature on every device.
 
 from __future__ import annotations
 
+from ..backend import Backend
 from ..reference import attention_reference
 from ..request import Request
-
-NAME = "reference"
-
-
-def unavailable(request: Request) -> str | None:
-    return None
 
 
 def run(request: Request):
@@ -22,3 +17,6 @@ def run(request: Request):
         segment_ids=request.segment_ids, kv_segment_ids=request.kv_segment_ids, softcap=o.softcap,
         bias=request.bias, dropout_p=o.dropout_p, dropout_seed=request.seed, upcast=False)
     return out, (lse if request.return_lse else None)
+
+
+BACKEND = Backend("reference", lambda request: None, dense=run)

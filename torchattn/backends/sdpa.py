@@ -20,9 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import masks
+from ..backend import Backend
 from ..request import Request
-
-NAME = "sdpa"
 
 
 def unavailable(request: Request) -> str | None:
@@ -72,3 +71,6 @@ def _nan_rows(q, out):
 def _cast_bias(request: Request):
     """SDPA wants a float mask in q's dtype; the cast keeps the bias's autograd path."""
     return None if request.bias is None else request.bias.to(request.dtype)
+
+
+BACKEND = Backend("sdpa", unavailable, dense=run)

@@ -1,12 +1,15 @@
 """``xla``: blockwise attention in plain torch ops (torchattn/torch_blockwise.py), compiled by XLA
-for any XLA device."""
+for any XLA device.
+
+Not per device under SPMD: it is torch ops GSPMD partitions itself (and XLA's partitioner
+rejects its loop inside a manual-sharding region: "Check failed: !IsManual()").
+"""
 
 from __future__ import annotations
 
-from .. import autograd
+from .. import torch_blockwise
+from ..backend import Backend
 from ..request import Request
-
-NAME = "xla"
 
 
 def unavailable(request: Request) -> str | None:
@@ -15,5 +18,4 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-def run(request: Request):
-    return autograd.blockwise_attention(request, NAME)
+BACKEND = Backend("xla", unavailable, forward=torch_blockwise.forward, backward=torch_blockwise.backward)

@@ -18,17 +18,17 @@ import math
 from ..tiling import LANES, SUBLANES
 
 # Every array any kernel takes, in argument order; each kernel takes a subsequence (see names).
-ARRAYS = ("q", "k", "v", "do", "lse", "delta", "q_ids", "kv_ids", "bias")
+ARRAYS = ("q", "k", "v", "do", "lse", "delta", "segment_ids", "kv_segment_ids", "bias")
 
 
 def names(spec, backward: bool) -> list[str]:
     """The arrays after the dropout key, in order: q, k, v, [do, lse, delta] (backward kernels),
-    [q_ids, kv_ids] (segment ids), [bias]."""
+    [segment_ids, kv_segment_ids] (segment ids), [bias]."""
     taken = ["q", "k", "v"]
     if backward:
         taken += ["do", "lse", "delta"]
     if spec.has_segments:
-        taken += ["q_ids", "kv_ids"]
+        taken += ["segment_ids", "kv_segment_ids"]
     if spec.bias_shape is not None:
         taken.append("bias")
     return taken
@@ -44,7 +44,7 @@ def shapes(spec) -> dict[str, tuple[tuple[int, ...], str]]:
         "q": ((b, hq, qp, d), spec.dtype), "k": ((b, hkv, kp, d), spec.dtype), "v": ((b, hkv, kp, d), spec.dtype),
         "do": ((b, hq, qp, d), spec.dtype),
         "lse": ((b, hq, qp, LANES), "float32"), "delta": ((b, hq, qp, LANES), "float32"),
-        "q_ids": ((b, qp, LANES), "int32"), "kv_ids": ((b, SUBLANES, kp), "int32"),
+        "segment_ids": ((b, qp, LANES), "int32"), "kv_segment_ids": ((b, SUBLANES, kp), "int32"),
         "bias": (spec.bias_shape, "float32"),
     }
 
@@ -56,7 +56,7 @@ def block_shapes(spec) -> dict[str, tuple | None]:
     rows, keys = (None, None, bq, d), (None, None, bkv, d)
     per_row = (None, None, bq, LANES)
     return {"q": rows, "k": keys, "v": keys, "do": rows, "lse": per_row, "delta": per_row,
-            "q_ids": (None, bq, LANES), "kv_ids": (None, SUBLANES, bkv),
+            "segment_ids": (None, bq, LANES), "kv_segment_ids": (None, SUBLANES, bkv),
             "bias": spec.bias_block(bq, bkv) if spec.bias_shape is not None else None}
 
 

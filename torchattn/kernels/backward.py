@@ -44,11 +44,11 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
     """
     lse, delta = inputs["lse"][:, :1], inputs["delta"][:, :1]  # (block_q, 1): one lane of each row
-    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs["q_ids"]), load(inputs["kv_ids"]),
-                                   load(inputs["bias"]))
+    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs["segment_ids"]),
+                                   load(inputs["kv_segment_ids"]), load(inputs["bias"]))
     p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is not -inf where keep
     dp = _dot(do, inputs["v"][...], _NT)
-    if spec.dropout_p > 0.0:
+    if spec.options.dropout_p > 0.0:
         scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
         p_used, dp = p * scale, dp * scale
     else:
@@ -74,7 +74,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
         k = inputs["k"][...]
         _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                          inputs["q"][...], k, inputs["do"][...])
-        dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.scale
+        dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
         if with_ds:
             ds_ref[...] = ds
 
@@ -105,7 +105,7 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec):
         p, _, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                         q, inputs["k"][...], do)
         dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
-        dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.scale
+        dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.options.scale
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():
@@ -115,7 +115,7 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec):
 
 @functools.lru_cache(maxsize=None)
 def dq_call(spec: KernelSpec, with_ds: bool):
-    """jax function (dropout_key, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dq, [ds]).
+    """jax function (dropout_key, q, k, v, do, lse, delta, [segment_ids, kv_segment_ids], [bias]) -> (dq, [ds]).
 
     lse, delta: float32 (batch, q_heads, q_pad, 128); ds: float32 (batch, q_heads,
     q_pad, kv_pad). Other shapes as in :func:`forward_call`. Memoised per spec.
@@ -138,7 +138,7 @@ def dq_call(spec: KernelSpec, with_ds: bool):
 
 @functools.lru_cache(maxsize=None)
 def dkv_call(spec: KernelSpec):
-    """jax function (dropout_key, q, k, v, do, lse, delta, [q_ids, kv_ids], [bias]) -> (dk, dv).
+    """jax function (dropout_key, q, k, v, do, lse, delta, [segment_ids, kv_segment_ids], [bias]) -> (dk, dv).
 
     dk, dv: like k and v. Memoised per spec.
     """

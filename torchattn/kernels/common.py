@@ -25,6 +25,8 @@ class KernelSpec:
     Lengths ``q_len``/``kv_len`` are the true ones; arrays are padded to
     ``q_pad``/``kv_pad`` (multiples of the block sizes) and the padding is masked.
     ``bias_shape`` is the padded bias shape, each dim 1 (broadcast) or full.
+    ``options``: the call's static options (torchattn.request.Options: scale, softcap, dropout_p,
+    bounds, ...), read by the kernels as they are, not copied field by field.
     """
 
     batch: int
@@ -38,11 +40,7 @@ class KernelSpec:
     block_q: int
     block_kv: int
     dtype: str
-    scale: float
-    left: int | None
-    right: int | None
-    softcap: float | None
-    dropout_p: float
+    options: object
     has_segments: bool
     bias_shape: tuple[int, int, int, int] | None
     interpret: bool
@@ -63,8 +61,9 @@ class KernelSpec:
     @property
     def blocks(self) -> BlockGeometry:
         """Which tiles are computed and which blocks the index maps fetch (``xp``: jax.numpy in the kernels)."""
+        left, right = self.options.bounds
         return BlockGeometry(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q, block_kv=self.block_kv,
-                             left=self.left, right=self.right)
+                             left=left, right=right)
 
     def bias_block(self, block_q, block_kv):
         """Block shape of the bias: broadcast (size-1) dims stay 1."""
@@ -92,11 +91,12 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
     """
     bq, bkv = q.shape[0], k.shape[0]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * spec.scale
+    options = spec.options
+    s = s * options.scale
     capped = None
-    if spec.softcap is not None:
-        capped = jnp.tanh(s / spec.softcap)
-        s = spec.softcap * capped
+    if options.softcap is not None:
+        capped = jnp.tanh(s / options.softcap)
+        s = options.softcap * capped
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
@@ -104,7 +104,8 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
     if q_ids is not None:
         q_ids, kv_ids = q_ids[:, :1], kv_ids[:1, :]  # (block_q, 1), (1, block_kv): one lane, one sublane
     # Padded query rows see nothing, so their lse is -inf.
-    keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=spec.left, right=spec.right,
+    left, right = options.bounds
+    keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=left, right=right,
                          q_ids=q_ids, kv_ids=kv_ids)
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
@@ -120,8 +121,8 @@ def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, sha
     rows = (q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)).astype(jnp.uint32)
     cols = (kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)).astype(jnp.uint32)
     bits = dropout.element_bits(dropout.row_keys(seeds, batch_head, rows), dropout.column_keys(cols))
-    keep = bits >= jnp.uint32(dropout.keep_threshold(spec.dropout_p))
-    return jnp.where(keep, 1.0 / (1.0 - spec.dropout_p), 0.0).astype(jnp.float32)
+    keep = bits >= jnp.uint32(dropout.keep_threshold(spec.options.dropout_p))
+    return jnp.where(keep, 1.0 / (1.0 - spec.options.dropout_p), 0.0).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------
@@ -150,8 +151,8 @@ def block_specs(spec: KernelSpec, coords) -> dict[str, pl.BlockSpec]:
     pick = {
         "q": lambda b, h, hk, i, j: (b, h, i, 0),
         "k": lambda b, h, hk, i, j: (b, hk, j, 0),
-        "q_ids": lambda b, h, hk, i, j: (b, i, 0),
-        "kv_ids": lambda b, h, hk, i, j: (b, 0, j),
+        "segment_ids": lambda b, h, hk, i, j: (b, i, 0),
+        "kv_segment_ids": lambda b, h, hk, i, j: (b, 0, j),
         "bias": bias_index,
     }
     pick.update(v=pick["k"], do=pick["q"], lse=pick["q"], delta=pick["q"])

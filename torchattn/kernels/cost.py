@@ -147,8 +147,8 @@ def _mask_bytes(spec: KernelSpec, grid: _Grid, block: dict[str, int]) -> int:
     """Segment ids and the bias (``block``: bytes per block), broadcast dims read once."""
     moved = 0
     if spec.has_segments:
-        moved += (grid.transfers([grid.batch], [grid.q_block]) * block["q_ids"]
-                  + grid.transfers([grid.batch], [grid.kv_block]) * block["kv_ids"])
+        moved += (grid.transfers([grid.batch], [grid.q_block]) * block["segment_ids"]
+                  + grid.transfers([grid.batch], [grid.kv_block]) * block["kv_segment_ids"])
     if spec.bias_shape is not None:
         bias_batch, bias_heads, bias_q, bias_kv = (size > 1 for size in spec.bias_shape)
         outer = [grid.batch] * bias_batch + [grid.head] * bias_heads
@@ -160,7 +160,7 @@ def _mask_bytes(spec: KernelSpec, grid: _Grid, block: dict[str, int]) -> int:
 def _estimate(spec: KernelSpec, tiles: int, *, matmuls: int, extra_transcendentals: int,
               bytes_accessed: int) -> pl.CostEstimate:
     tile = spec.block_q * spec.block_kv
-    per_score = 2 if spec.softcap is not None else 1  # exp, and tanh with softcap
+    per_score = 2 if spec.options.softcap is not None else 1  # exp, and tanh with softcap
     return pl.CostEstimate(flops=int(tiles * matmuls * 2 * tile * spec.head_dim),
                            transcendentals=int(tiles * tile * per_score + extra_transcendentals),
                            bytes_accessed=int(bytes_accessed))

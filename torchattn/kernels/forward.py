@@ -33,15 +33,16 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
 
     @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
-        s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block, load(inputs["q_ids"]),
-                               load(inputs["kv_ids"]), load(inputs["bias"]))  # s: (block_q, block_kv)
+        s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block,
+                               load(inputs["segment_ids"]), load(inputs["kv_segment_ids"]),
+                               load(inputs["bias"]))  # s: (block_q, block_kv)
         m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # (block_q, 1)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
         p = jnp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
         alpha = jnp.exp(m_prev - m_safe)
         l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        if spec.dropout_p > 0.0:
+        if spec.options.dropout_p > 0.0:
             p = p * dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
         v = inputs["v"][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
@@ -63,10 +64,10 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
 
 @functools.lru_cache(maxsize=None)
 def forward_call(spec: KernelSpec):
-    """The jax function (dropout_key, q, k, v, [q_ids, kv_ids], [bias]) -> (out, lse).
+    """The jax function (dropout_key, q, k, v, [segment_ids, kv_segment_ids], [bias]) -> (out, lse).
 
     Shapes: dropout_key int32 (3,); q (batch, q_heads, q_pad, head_dim); k, v (batch,
-    kv_heads, kv_pad, head_dim); q_ids int32 (batch, q_pad, 128); kv_ids int32
+    kv_heads, kv_pad, head_dim); segment_ids int32 (batch, q_pad, 128); kv_segment_ids int32
     (batch, 8, kv_pad); bias ``spec.bias_shape``. Returns out like q and lse
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,
     so torch_xla's call_jax cache (keyed by function id) hits.

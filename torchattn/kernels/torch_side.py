@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import devices, generations
-from ..request import Options, Request
+from .. import generations
+from ..request import BATCH_HEADS, PAIRS, Q_ROWS, Options, Request, Tensors
 from ..tiling import LANES, SUBLANES, round_up
-from . import arguments, bridge
+from . import arguments, bridge, vmem
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -25,9 +25,20 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-def kernel_spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, interpret: bool,
-                generation: str | None = None):
-    """The KernelSpec of one call; ``generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
+def vmem_operands(request: Request) -> vmem.Operands:
+    """What, besides block sizes, sets the VMEM the kernels of ``request`` need."""
+    bias = request.bias
+    return vmem.Operands(
+        head_dim=request.head_dim, dtype=str(request.dtype).removeprefix("torch."),
+        segments=request.segment_ids is not None,
+        bias=None if bias is None else tuple(bias.shape[2:]),
+        bias_dtype="float32" if bias is None else str(bias.dtype).removeprefix("torch."),
+        bias_grad=bias is not None and bias.requires_grad,
+        dropout=request.options.dropout_p > 0, softcap=request.options.softcap is not None)
+
+
+def kernel_spec(q, k, bias, segment_ids, options: Options, block_q: int, block_kv: int, interpret: bool):
+    """The KernelSpec of one call; ``options.generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
     from .common import KernelSpec  # imports jax: only once a kernel actually runs
 
     batch, q_heads, q_len, head_dim = q.shape
@@ -37,12 +48,11 @@ def kernel_spec(q, k, bias, segment_ids, options: Options, block_q: int, block_k
     bias_shape = None
     if bias is not None:
         bias_shape = (*bias.shape[:2], q_pad if bias.shape[2] > 1 else 1, kv_pad if bias.shape[3] > 1 else 1)
-    left, right = options.bounds
+    generation = options.generation
     return KernelSpec(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len, q_pad=q_pad,
         kv_pad=kv_pad, head_dim=head_dim, block_q=block_q, block_kv=block_kv,
-        dtype=str(q.dtype).removeprefix("torch."), scale=options.scale, left=left, right=right,
-        softcap=options.softcap, dropout_p=options.dropout_p, has_segments=segment_ids is not None,
+        dtype=str(q.dtype).removeprefix("torch."), options=options, has_segments=segment_ids is not None,
         bias_shape=bias_shape, interpret=interpret,
         vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and not interpret else None)
 
@@ -59,21 +69,24 @@ def _pad_rows(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
     return F.pad(t, pads)
 
 
-def _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias) -> dict[str, torch.Tensor]:
-    """q, k, v padded; segment ids in lane/sublane layout; bias padded where not broadcast (by name,
-    see kernels/arguments.py)."""
-    d = spec.head_dim
-    arrays = dict(q=_pad_rows(_pad_lanes(q, d), spec.q_pad), k=_pad_rows(_pad_lanes(k, d), spec.kv_pad),
-                  v=_pad_rows(_pad_lanes(v, d), spec.kv_pad))
-    if segment_ids is not None:
-        q_ids = _pad_rows(segment_ids, spec.q_pad, dim=1)  # (batch, q_pad)
-        kv_ids = _pad_rows(kv_segment_ids, spec.kv_pad, dim=1)  # (batch, kv_pad)
-        arrays["q_ids"] = q_ids[:, :, None].expand(-1, -1, LANES)  # (batch, q_pad, 128)
-        arrays["kv_ids"] = kv_ids[:, None, :].expand(-1, SUBLANES, -1)  # (batch, 8, kv_pad)
-    if bias is not None:
-        bias = _pad_rows(bias, spec.bias_shape[2], dim=2)
-        arrays["bias"] = _pad_rows(bias, spec.bias_shape[3], dim=3)
-    return arrays
+def _layout(spec, field, t: torch.Tensor) -> torch.Tensor:
+    """A declared tensor (torchattn.request.Tensors) in the kernels' layout, by its shape role: rows padded to
+    the blocks, head_dim to the lanes; per-row ids broadcast over the 128 lanes, per-key ids over the 8 sublanes;
+    a per-pair tensor padded along the dims it does not broadcast over."""
+    role = field.role
+    if role == PAIRS:
+        return _pad_rows(_pad_rows(t, spec.bias_shape[2], dim=2), spec.bias_shape[3], dim=3)
+    length = spec.q_pad if role == Q_ROWS else spec.kv_pad
+    if field.heads:  # (batch, heads, rows, head_dim)
+        return _pad_rows(_pad_lanes(t, spec.head_dim), length)
+    t = _pad_rows(t, length, dim=1)  # (batch, rows)
+    return t[:, :, None].expand(-1, -1, LANES) if role == Q_ROWS else t[:, None, :].expand(-1, SUBLANES, -1)
+
+
+def _inputs(spec, tensors: Tensors) -> dict[str, torch.Tensor]:
+    """Every present tensor of the call but the dropout key in the kernels' layout, by name (kernels/arguments.py)."""
+    return {field.name: _layout(spec, field, t) for field, t in zip(Tensors.declared(), tensors.values())
+            if t is not None and field.role != BATCH_HEADS}
 
 
 def _kernel_arguments(spec, dropout_key, arrays: dict[str, torch.Tensor], backward: bool) -> list[torch.Tensor]:
@@ -94,35 +107,39 @@ def _per_row(t: torch.Tensor, length: int) -> torch.Tensor:
     return _pad_rows(t, length)[..., None].expand(-1, -1, -1, LANES)
 
 
-def forward(q, k, v, segment_ids, kv_segment_ids, bias, dropout_key, options: Options, *, interpret: bool):
+def _spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, interpret: bool):
+    t = tensors
+    return kernel_spec(t.q, t.k, t.bias, t.segment_ids, options, block_q, block_kv, interpret)
+
+
+def forward(tensors: Tensors, options: Options, *, interpret: bool):
     from .forward import forward_call
 
-    blocks = options.block_sizes
-    spec = kernel_spec(q, k, bias, segment_ids, options, blocks.block_q, blocks.block_kv, interpret,
-                       devices.tpu_generation(q.device))
-    arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
+    q = tensors.q
+    spec = _spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, interpret)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
-    kernel_args = _kernel_arguments(spec, _kernel_key(dropout_key, q.device), arrays, backward=False)
+    kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), _inputs(spec, tensors),
+                                    backward=False)
     out, lse = bridge.call(forward_call(spec), kernel_args, out_shapes,
                            name="torchattn.forward", interpret=interpret)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
 
-def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dropout_key, options: Options,
-             bias_grad: bool, *, interpret: bool):
+def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, interpret: bool):
+    """{name: gradient} of q, k, v and, if in ``wanted``, the bias."""
     from .backward import dkv_call, dq_call
 
-    blocks = options.block_sizes
-    spec = kernel_spec(q, k, bias, segment_ids, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret,
-                       devices.tpu_generation(q.device))
-    arrays = _inputs(spec, q, k, v, segment_ids, kv_segment_ids, bias)
+    q, k, bias = tensors.q, tensors.k, tensors.bias
+    spec = _spec(tensors, options, options.block_sizes.block_q_bwd, options.block_sizes.block_kv_bwd, interpret)
+    arrays = _inputs(spec, tensors)
     delta = (do.float() * out.float()).sum(-1) - dlse  # (batch, q_heads, q_len)
     # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
     lse = torch.where(lse == float("-inf"), 0.0, lse)
     arrays.update(do=_pad_rows(_pad_lanes(do, spec.head_dim), spec.q_pad), lse=_per_row(lse, spec.q_pad),
                   delta=_per_row(delta, spec.q_pad))
-    kernel_args = _kernel_arguments(spec, _kernel_key(dropout_key, q.device), arrays, backward=True)
+    kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), arrays, backward=True)
+    bias_grad = "bias" in wanted
     dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]
     if bias_grad:
         dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))
@@ -131,10 +148,10 @@ def backward(do, dlse, q, k, v, out, lse, segment_ids, kv_segment_ids, bias, dro
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
     dk, dv = bridge.call(dkv_call(spec), kernel_args, [kv_shape, kv_shape],
                          name="torchattn.backward_dkv", interpret=interpret)
-    dbias = None
+    d = q.shape[3]
+    grads = dict(q=dq[:, :, : spec.q_len, :d], k=dk[:, :, : spec.kv_len, :d], v=dv[:, :, : spec.kv_len, :d])
     if bias_grad:
         ds = ds[0][:, :, : spec.q_len, : spec.kv_len]
         broadcast = [d for d in range(4) if bias.shape[d] == 1 and ds.shape[d] > 1]
-        dbias = (ds.sum(dim=broadcast, keepdim=True) if broadcast else ds).to(bias.dtype)
-    d = q.shape[3]
-    return dq[:, :, : spec.q_len, :d], dk[:, :, : spec.kv_len, :d], dv[:, :, : spec.kv_len, :d], dbias
+        grads["bias"] = (ds.sum(dim=broadcast, keepdim=True) if broadcast else ds).to(bias.dtype)
+    return grads

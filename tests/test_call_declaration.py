@@ -1,0 +1,53 @@
+"""A call's tensors and static options cross the custom ops as one declaration each; a backend is one object."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchattn import api, backends
+from torchattn.aot import Attention
+from torchattn.backend import Backend, blockwise
+from torchattn.block_sizes import BlockSizes
+from torchattn.request import Tensors
+
+
+def _schema_tensors(op) -> list[str]:
+    return [a.name for a in op.default._schema.arguments if "Tensor" in str(a.type)]
+
+
+def test_ops_take_the_declared_tensors_and_return_one_gradient_per_differentiable_one():
+    assert _schema_tensors(torch.ops.torchattn.attention_forward) == Tensors.names()
+    backward = torch.ops.torchattn.attention_backward.default._schema
+    assert _schema_tensors(torch.ops.torchattn.attention_backward) == ["do", "dlse", "out", "lse", *Tensors.names()]
+    assert len(backward.returns) == len(Tensors.grad_names()) == 4
+
+
+def test_tpu_generation_is_a_static_option_of_the_call(device, fake_tpu):
+    q = torch.randn(1, 2, 16, 8, device=device)
+    request = api.validated(q, q, q)
+    assert request.options.generation == "v5e"
+    assert "str? generation" in str(torch.ops.torchattn.attention_forward.default._schema)
+
+
+def test_aot_attention_is_validated_like_a_call():
+    """aot builds its options and kernel specs through flash_attention's validation, not a copy of its fields."""
+    attention = Attention(batch=1, q_heads=4, kv_heads=2, q_len=300, kv_len=200, head_dim=64, causal=True,
+                          softcap=30.0, segments=True, bias="broadcast", dropout_p=0.1)
+    blocks = BlockSizes(128, 128, 128, 128)
+    forward, backward = attention.specs(blocks, "v5e")
+    for spec in (forward, backward):
+        assert spec.options.generation == "v5e" and spec.options.scale == 64**-0.5
+        assert spec.options.softcap == 30.0 and spec.options.dropout_p == 0.1 and spec.options.causal
+        assert spec.has_segments and spec.bias_shape == (1, 4, 1, 256)
+    operands = attention.vmem_operands()
+    assert operands.bias == (1, 200) and operands.bias_grad and operands.segments and operands.dropout
+
+
+def test_backends_are_objects_the_ops_dispatch_on():
+    assert sorted(name for name, b in backends.BACKENDS.items() if b.blockwise) == ["interpret", "pallas", "xla"]
+    assert {name for name, b in backends.BACKENDS.items() if b.per_device} == {"pallas", "interpret"}
+    assert [name for name, b in backends.BACKENDS.items() if b.vmem_checked] == ["pallas"]
+    assert blockwise("xla") is backends.BACKENDS["xla"]
+    with pytest.raises(TypeError, match="backend 'half': expected either dense or both forward and backward"):
+        Backend("half", lambda request: None, forward=lambda tensors, options: None)

@@ -10,7 +10,7 @@
 # Each gcloud command is printed before it runs; --dry-run only prints them. The checkout
 # goes as an archive of the files git knows (tracked, and untracked unless ignored: no .venv,
 # no runs/) to ~/torchattn on every worker. With several hosts, --output-dir must be a folder
-# every worker sees (sharded checkpoints are written by every host, see README).
+# every worker sees (sharded checkpoints are written by every host, see docs/spmd.md).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

@@ -44,7 +44,7 @@ class BlockSizes:
     @classmethod
     def default(cls, q_len: int, kv_len: int, head_dim: int, generation: str | None = None) -> "BlockSizes":
         """The default blocks for a TPU ``generation`` ("v4", "v5e", "v5p", "v6e"; see
-        torchattn.generations and the README's table), clamped to the sequence. Without a
+        torchattn.generations and the table in docs/kernels.md), clamped to the sequence. Without a
         generation (not on a TPU: the ``interpret`` and ``xla`` backends): 512 rows, 256 for
         head_dim > 128."""
         if generation is None:

@@ -1,1 +1,1 @@
-"""The trainer: `python -m train` (see README "Training")."""
+"""The trainer: `python -m train` (see docs/training.md)."""

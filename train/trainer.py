@@ -173,7 +173,7 @@ class Trainer:
         self.accelerator = None
         if mesh is None and launched_per_chip():
             # accelerate launch --tpu: one process per chip; accelerate gives the process rank, world
-            # size and the gradient all-reduce in the optimizer step (see README).
+            # size and the gradient all-reduce in the optimizer step (see docs/training.md).
             from accelerate import Accelerator
 
             self.accelerator = Accelerator()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -57,23 +55,10 @@ def test_resumed_run_logs_the_same_losses(bert, docs_csv, tmp_path, capsys):
 
 def test_sigterm_finishes_the_step_and_writes_a_loadable_checkpoint(bert, docs_csv, tmp_path):
     out = str(tmp_path / "run")
-    command = [sys.executable, "-m", "train", "--model", bert, "--dataset", docs_csv, "--batch-size", "4",
-               "--epochs", "1000", "--log-steps", "1", "--save-steps", "0", "--output-dir", out]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    process = subprocess.Popen(command, cwd=root, env=dict(os.environ, PJRT_DEVICE="CPU"), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in process.stdout:  # not a terminal: one plain line per logged step
-            lines.append(line)
-            if line.startswith("step 1/"):
-                process.send_signal(signal.SIGTERM)
-                break
-        rest, _ = process.communicate(timeout=300)
-    finally:
-        process.kill()
-    output = "".join(lines) + rest
-    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    flags = ["--model", bert, "--dataset", docs_csv, "--batch-size", "4", "--epochs", "1000", "--log-steps", "1",
+             "--save-steps", "0", "--output-dir", out]
+    returncode, output = train_tiny.signalled_run(flags, [("step 1/", signal.SIGTERM)], timeout=300)
+    assert returncode == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output
     assert f"python -m train --output-dir {out} --resume" in output
     names = os.listdir(os.path.join(out, "checkpoints"))

@@ -22,6 +22,7 @@ import datasets
 import numpy as np
 import pytest
 
+import train_tiny
 from train.__main__ import main
 from train.data import BatchLoader, host_rows
 from train.metrics import MetricsFile
@@ -350,20 +351,9 @@ def test_a_real_sigterm_on_a_mesh_checkpoints_the_step_it_names_and_resumes_exac
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     assert run_spmd(["-m", "train", *flags, "--output-dir", str(whole)]).returncode == 0
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", XLA_COMPILATION_CACHE_SIZE="8")
-    process = subprocess.Popen([sys.executable, "-m", "train", *flags, "--output-dir", str(parts)], cwd=ROOT, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("step 1/"):
-                process.send_signal(signal.SIGTERM)
-                break
-        rest, _ = process.communicate(timeout=600)
-    finally:
-        process.kill()
-    output = "".join(lines) + rest
-    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    returncode, output = train_tiny.signalled_run([*flags, "--output-dir", str(parts)], [("step 1/", signal.SIGTERM)],
+                                                  env=env)
+    assert returncode == 128 + signal.SIGTERM, output[-3000:]
     written = re.search(r"checkpoint of step (\d+) written: (\S+)", output)
     assert written, output[-3000:]
     step = int(written.group(1))

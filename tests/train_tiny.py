@@ -89,3 +89,26 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     return subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def signalled_run(args: list[str], cues: list[tuple[str, int]], *, env: dict | None = None,
+                  timeout: float = 600) -> tuple[int, str]:
+    """``python -m train <args>`` on XLA:CPU from the repository root; each (line prefix, signal) of
+    ``cues`` is sent, in order, when the run prints a line starting with its prefix. Returns the exit
+    status and everything the run printed (stdout and stderr)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=root,
+                               env=env or dict(os.environ, PJRT_DEVICE="CPU"), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    lines, pending = [], list(cues)
+    try:
+        for line in process.stdout:  # not a terminal: one plain line per logged step
+            lines.append(line)
+            if line.startswith(pending[0][0]):
+                process.send_signal(pending.pop(0)[1])
+                if not pending:
+                    break
+        rest, _ = process.communicate(timeout=timeout)
+    finally:
+        process.kill()
+    return process.returncode, "".join(lines) + rest

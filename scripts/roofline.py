@@ -161,8 +161,8 @@ def block_table(args: argparse.Namespace) -> str:
             double = BlockSizes(*(2 * n for n in sizes))
             half = BlockSizes(*(max(n // 2, MULTIPLES[name]) for n, name in zip(sizes, MULTIPLES)))
             plain = vmem.Operands(head_dim=head_dim, dtype="bfloat16")
-            every = dataclasses.replace(plain, segments=True, bias=(length, length), bias_grad=True, dropout=True,
-                                        softcap=True)
+            every = Attention(batch=1, q_heads=1, kv_heads=1, q_len=length, kv_len=length, head_dim=head_dim,
+                              segments=True, bias="full", dropout_p=0.1, softcap=30.0).vmem_operands()
             needs = {(operands, b): vmem.needs(operands, b) for operands in (plain, every) for b in (blocks, double)}
             attention = Attention(batch=1, q_heads=1, kv_heads=1, q_len=length, kv_len=length, head_dim=head_dim)
             work, half_work = (roofline.kernel_work(attention, b, generation) for b in (blocks, half))

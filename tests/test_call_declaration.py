@@ -9,6 +9,7 @@ from torchattn import api, backends
 from torchattn.aot import Attention
 from torchattn.backend import Backend, blockwise
 from torchattn.block_sizes import BlockSizes
+from torchattn.kernels import arguments
 from torchattn.request import Tensors
 
 
@@ -39,9 +40,11 @@ def test_aot_attention_is_validated_like_a_call():
     for spec in (forward, backward):
         assert spec.options.generation == "v5e" and spec.options.scale == 64**-0.5
         assert spec.options.softcap == 30.0 and spec.options.dropout_p == 0.1 and spec.options.causal
-        assert spec.has_segments and spec.bias_shape == (1, 4, 1, 256)
+        assert arguments.names(spec, backward=False) == ["q", "k", "v", "segment_ids", "kv_segment_ids", "bias"]
+        assert arguments.shape(spec, arguments.named(spec, "bias")) == (1, 4, 1, 256)
     operands = attention.vmem_operands()
-    assert operands.bias == (1, 200) and operands.bias_grad and operands.segments and operands.dropout
+    assert [array.name for array in operands.extra] == ["segment_ids", "kv_segment_ids", "bias"]
+    assert operands.extra[-1].broadcast == (True, False, True, False) and operands.score_grad and operands.dropout
 
 
 def test_backends_are_objects_the_ops_dispatch_on():

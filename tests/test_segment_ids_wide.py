@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import internals
-from torchattn.kernels import bridge
+from torchattn import internals, jax_bridge
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -70,7 +69,7 @@ def test_pallas_kernels_receive_ids_that_keep_documents_apart(cross, device, fak
         received.extend(args)
         raise Captured
 
-    monkeypatch.setattr(bridge, "call", capture)
+    monkeypatch.setattr(jax_bridge, "call", capture)
     # The body must see the real tensors, not the placeholders it is traced on once per shape.
     monkeypatch.setattr(internals, "traced_once", lambda name, fn, key, *args: internals.functionalized(fn, *args))
     q, k, v, ids = _inputs(cross, torch.float32)

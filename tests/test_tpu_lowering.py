@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
+from torchattn import kernel_calls
 from torchattn.block_sizes import BlockSizes
-from torchattn.kernels import torch_side
 from torchattn.request import Options, Tensors
 
 jax = pytest.importorskip("jax")
@@ -40,10 +40,12 @@ def _spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len
     k = torch.empty(2, kv_heads, kv_len, head_dim, device="meta", dtype=getattr(torch, dtype))
     bias_t = {None: None, "full": torch.empty(2, q_heads, q_len, kv_len, device="meta"),
               "broadcast": torch.empty(1, q_heads, 1, kv_len, device="meta")}[bias]
-    ids = torch.empty(2, q_len, device="meta", dtype=torch.int32) if segments else None
+    ids = [torch.empty(2, n, device="meta", dtype=torch.int32) if segments else None for n in (q_len, kv_len)]
     options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p,
                       block_sizes=BlockSizes.default(q_len, kv_len, head_dim))  # _spec takes block_q, block_kv
-    return torch_side.kernel_spec(q, k, bias_t, ids, options, block_q, block_kv, interpret=False)
+    tensors = Tensors(q=q, k=k, v=k, segment_ids=ids[0], kv_segment_ids=ids[1],
+                      bias=None if bias_t is None else bias_t.requires_grad_(), dropout_key=None)
+    return kernel_calls.kernel_spec(tensors, options, block_q, block_kv, interpret=False)
 
 
 def _export(fn, args):
@@ -70,7 +72,7 @@ def test_each_kernel_lowers_for_tpu(params):
     fwd_args, bwd_args = argument_structs(spec)
     _export(forward_call(spec), fwd_args)
     _export(dkv_call(spec), bwd_args)
-    _export(dq_call(spec, spec.bias_shape is not None), bwd_args)
+    _export(dq_call(spec, spec.score_grad), bwd_args)
 
 
 @pytest.mark.parametrize("blocks", [dict(block_q=4, block_kv=128), dict(block_q=128, block_kv=100)])
@@ -97,9 +99,9 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
     blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
     options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1, block_sizes=blocks)
     tensors = Tensors(q, k, v, None, None, bias, seed)
-    out, lse = torch_side.forward(tensors, options, interpret=False)
-    grads = torch_side.backward(torch.ones_like(out), torch.zeros_like(lse), out, lse, tensors, options, ("bias",),
-                                interpret=False).values()
+    out, lse = kernel_calls.forward(tensors, options, interpret=False)
+    grads = kernel_calls.backward(torch.ones_like(out), torch.zeros_like(lse), out, lse, tensors, options, ("bias",),
+                                  interpret=False).values()
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     del out, lse, grads  # never synced: XLA:CPU cannot execute these

@@ -13,7 +13,8 @@ import torch
 import torchattn
 from torchattn import generations
 from torchattn.block_sizes import BlockSizes
-from torchattn.kernels import vmem
+from torchattn.kernels import arguments, vmem
+from torchattn.roles import PAIRS
 
 jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")
@@ -27,13 +28,6 @@ MiB = 1 << 20
 SLACK_FACTOR, SLACK_BYTES = 1.5, 1 * MiB
 
 
-def _operands(attention: Attention) -> vmem.Operands:
-    bias = None if attention.bias is None else (attention.q_len if attention.bias == "full" else 1, attention.kv_len)
-    return vmem.Operands(attention.head_dim, attention.dtype, attention.segments, bias, "float32",
-                         bias_grad=attention.bias is not None, dropout=attention.dropout_p > 0,
-                         softcap=attention.softcap is not None)
-
-
 def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, block_kv: int,
               vmem_limit: int) -> bool:
     """Whether ``kernel`` compiles for ``generation`` with Mosaic's VMEM limit at ``vmem_limit`` bytes;
@@ -42,7 +36,7 @@ def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, 
     spec = dataclasses.replace(forward_spec if kernel == "forward" else backward_spec, vmem_limit_bytes=vmem_limit)
     forward_args, backward_args = argument_structs(spec)
     fn, args = {"forward": (forward_call, forward_args),
-                "backward_dq": (lambda s: dq_call(s, s.bias_shape is not None), backward_args),
+                "backward_dq": (lambda s: dq_call(s, s.score_grad), backward_args),
                 "backward_dkv": (dkv_call, backward_args)}[kernel]
     try:
         compile_jax(fn(spec), args, generation, kernel)
@@ -86,7 +80,7 @@ ESTIMATE_CASES = [  # generation, kernel, head_dim, dtype, block_q, block_kv, fe
 def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
     generation, kernel, head_dim, dtype, block_q, block_kv, features = case
     attention = _attention(head_dim, dtype, block_q, block_kv, features)
-    estimate = vmem.kernel_bytes(kernel, _operands(attention), block_q, block_kv)
+    estimate = vmem.kernel_bytes(kernel, attention.vmem_operands(), block_q, block_kv)
     assert _compiles(attention, generation, kernel, block_q, block_kv, estimate), \
         f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
     floor = int((estimate - SLACK_BYTES) / SLACK_FACTOR)
@@ -101,8 +95,8 @@ def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
 def test_default_block_sizes_fit_with_every_feature(generation, head_dim, dtype):
     length = 32768  # long enough that no default is clamped
     blocks = BlockSizes.default(length, length, head_dim, generation)
-    operands = vmem.Operands(head_dim, dtype, segments=True, bias=(length, length), bias_dtype="float32",
-                             bias_grad=True, dropout=True, softcap=True)
+    operands = Attention(batch=1, q_heads=1, kv_heads=1, q_len=length, kv_len=length, head_dim=head_dim, dtype=dtype,
+                         segments=True, bias="full", dropout_p=0.1, softcap=30.0).vmem_operands()
     vmem.check_fits(generation, operands, blocks)
 
 
@@ -134,7 +128,8 @@ def test_too_large_blocks_are_refused_at_the_call_with_blocks_that_fit(device, f
 @pytest.mark.parametrize("generation", sorted(generations.GENERATIONS))
 @pytest.mark.parametrize("head_dim,dtype", [(128, "bfloat16"), (256, "float32")])
 def test_suggested_block_sizes_fit_and_are_no_larger(generation, head_dim, dtype):
-    operands = vmem.Operands(head_dim, dtype, segments=True, bias=(8192, 8192), bias_grad=True)
+    operands = Attention(batch=1, q_heads=1, kv_heads=1, q_len=8192, kv_len=8192, head_dim=head_dim, dtype=dtype,
+                         segments=True, bias="full").vmem_operands()
     given = BlockSizes(8192, 4096, 2048, 8192)
     suggested = vmem.fitting_block_sizes(generation, operands, given)
     vmem.check_fits(generation, operands, suggested)
@@ -146,11 +141,15 @@ def test_a_kernel_the_compiler_refuses_is_refused_by_check_fits():
     attention = _attention(128, "bfloat16", 2048, 1024)
     assert not _compiles(attention, "v4", "forward", 2048, 1024, None)
     with pytest.raises(ValueError, match=r"TPU v4 .*forward kernel with block_q=2048, block_kv=1024"):
-        vmem.check_fits("v4", _operands(attention), BlockSizes(2048, 1024, 512, 512))
+        vmem.check_fits("v4", attention.vmem_operands(), BlockSizes(2048, 1024, 512, 512))
 
 
 def test_the_dq_kernel_holds_a_score_gradient_block_only_when_the_bias_needs_a_gradient():
-    with_grad, without = (vmem.Operands(128, "float32", bias=(1024, 1024), bias_grad=g) for g in (True, False))
+    def bias(grad):
+        return arguments.Array("bias", PAIRS, heads=True, features=False, dtype="float32",
+                               broadcast=(False,) * 4, grad=grad)
+
+    with_grad, without = (vmem.Operands(128, "float32", extra=(bias(g),)) for g in (True, False))
     grown = vmem.kernel_bytes("backward_dq", with_grad, 512, 512) - vmem.kernel_bytes("backward_dq", without, 512, 512)
     assert grown == 2 * 512 * 512 * 4  # a double-buffered float32 (512, 512) output block
 

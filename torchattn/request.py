@@ -9,6 +9,7 @@ import torch
 from . import dropout
 from .block_sizes import BlockSizes
 from .masks import diagonal_bounds
+from .roles import BATCH_HEADS, KV_ROWS, PAIRS, Q_ROWS
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,32 +84,25 @@ class Options:
         return cls(*[_OP_TYPES[field.type][2](value) for field, value in zip(dataclasses.fields(cls), arguments)])
 
 
-# The shape role of a call's tensor: what its dims run along, which sets how it is padded for the kernels and
-# cut under SPMD (torchattn/spmd.py). Every role leads with batch; ``heads`` in a declaration adds the heads dim.
-Q_ROWS = "per q row"  # (batch, [heads,] q_len, ...)
-KV_ROWS = "per kv row"  # (batch, [heads,] kv_len, ...)
-PAIRS = "per (q, kv) pair"  # (batch|1, heads|1, q_len|1, kv_len|1): broadcast dims are 1
-BATCH_HEADS = "per batch/head"  # (batch shards, head shards, ...): one entry per device's (batch, heads) shard
-
-
-def _tensor(role: str, *, heads: bool, grad: bool = False, optional: bool = True):
-    return dataclasses.field(metadata=dict(role=role, heads=heads, grad=grad, optional=optional))
+def _tensor(role: str, *, heads: bool, features: bool = False, grad: bool = False, optional: bool = True):
+    return dataclasses.field(metadata=dict(role=role, heads=heads, features=features, grad=grad, optional=optional))
 
 
 @dataclasses.dataclass
 class Tensors:
     """The tensors of one call as they cross the custom ops' boundary: one declaration, from which the ops'
     tensor arguments, their fakes, the autograd Function's saved tensors and gradients, SPMD's shard rules and the
-    kernels' inputs are derived. Each field names its shape role, whether it has a heads dim and whether it gets
-    a gradient (an optional one only when it requires grad). A new tensor input is a new field here.
+    kernels' inputs are derived. Each field names its shape role (torchattn/roles.py), whether it has a heads dim,
+    whether its rows hold head_dim features, and whether it gets a gradient (an optional one only when it
+    requires grad). A new tensor input is a new field here.
 
     dropout_key: int64 (3,) on the op side (torchattn.dropout.keys); the global form, before SPMD cuts it,
     is the (batch shards, head shards, 3) table.
     """
 
-    q: torch.Tensor = _tensor(Q_ROWS, heads=True, grad=True, optional=False)
-    k: torch.Tensor = _tensor(KV_ROWS, heads=True, grad=True, optional=False)
-    v: torch.Tensor = _tensor(KV_ROWS, heads=True, grad=True, optional=False)
+    q: torch.Tensor = _tensor(Q_ROWS, heads=True, features=True, grad=True, optional=False)
+    k: torch.Tensor = _tensor(KV_ROWS, heads=True, features=True, grad=True, optional=False)
+    v: torch.Tensor = _tensor(KV_ROWS, heads=True, features=True, grad=True, optional=False)
     segment_ids: torch.Tensor | None = _tensor(Q_ROWS, heads=False)
     kv_segment_ids: torch.Tensor | None = _tensor(KV_ROWS, heads=False)
     bias: torch.Tensor | None = _tensor(PAIRS, heads=True, grad=True)
@@ -149,6 +143,7 @@ class Declared:
     name: str
     role: str
     heads: bool
+    features: bool
     grad: bool
     optional: bool
 

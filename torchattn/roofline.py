@@ -90,7 +90,7 @@ def kernel_work(attention: Attention, block_sizes: BlockSizes, generation: str, 
         specs = tuple(dataclasses.replace(spec, head_dim=attention.head_dim) for spec in specs)
     forward, backward = specs
     estimates = {"forward": cost.forward_cost(forward),
-                 "backward_dq": cost.dq_cost(backward, with_ds=backward.bias_shape is not None),
+                 "backward_dq": cost.dq_cost(backward, with_ds=backward.score_grad),
                  "backward_dkv": cost.dkv_cost(backward)}
     return {name: Work(float(e.flops), float(e.bytes_accessed)) for name, e in estimates.items()}
 

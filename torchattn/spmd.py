@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from . import once
-from .request import BATCH_HEADS, PAIRS, Request
+from .request import Request
+from .roles import BATCH_HEADS, PAIRS
 
 # The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
 # them when it matches no mesh torchattn knows.

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from . import api, backends, generations, tune_cache
+from . import api, backends, generations, kernel_calls, tune_cache
 from .block_sizes import BlockSizes, candidate_pairs
-from .kernels import torch_side, vmem
+from .kernels import vmem
 from .types import is_bool, type_name
 
 Timer = Callable[[BlockSizes, Callable[[], None]], float]
@@ -153,7 +153,7 @@ def _search(request, backend: str, seconds: Callable[[BlockSizes], float]) -> Bl
     forward_pairs, backward_pairs = pairs, pairs
     if backends.BACKENDS[backend].vmem_checked and generation is not None:  # would be refused at the call
         available = generations.get(generation).usable_vmem_bytes
-        needs = functools.partial(vmem.kernel_bytes, operands=torch_side.vmem_operands(request))
+        needs = functools.partial(vmem.kernel_bytes, operands=kernel_calls.vmem_operands(request))
 
         def fit(kernels):
             return [(bq, bkv) for bq, bkv in pairs

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 
 from ..block_sizes import BlockSizes
-from ..kernels import arguments, torch_side, vmem
+from .. import kernel_calls
+from ..kernels import arguments, vmem
 from ..request import Request
 from .compiler import Compiled, compile_jax
 
@@ -57,15 +58,14 @@ class Attention:
     def specs(self, block_sizes: BlockSizes, generation: str):
         """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
         request = self.request(block_sizes, generation)
-        q, k, bias, ids, options = request.q, request.k, request.bias, request.segment_ids, request.options
-        return (torch_side.kernel_spec(q, k, bias, ids, options, block_sizes.block_q, block_sizes.block_kv,
-                                       interpret=False),
-                torch_side.kernel_spec(q, k, bias, ids, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
-                                       interpret=False))
+        tensors, options = request.tensors(), request.options
+        return (kernel_calls.kernel_spec(tensors, options, block_sizes.block_q, block_sizes.block_kv, interpret=False),
+                kernel_calls.kernel_spec(tensors, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
+                                         interpret=False))
 
     def vmem_operands(self) -> vmem.Operands:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
-        return torch_side.vmem_operands(self.request())
+        return kernel_calls.vmem_operands(self.request())
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
@@ -75,12 +75,8 @@ def argument_structs(spec):
     """ShapeDtypeStructs of the kernels' arguments, (forward, backward), as kernels/arguments.py states them."""
     import jax
 
-    shapes = arguments.shapes(spec)
-
-    def structs(backward: bool) -> list:
-        return [jax.ShapeDtypeStruct(*shapes[name]) for name in ("dropout_key", *arguments.names(spec, backward))]
-
-    return structs(backward=False), structs(backward=True)
+    return tuple([jax.ShapeDtypeStruct(*shape) for shape in arguments.shapes(spec, backward)]
+                 for backward in (False, True))
 
 
 def compile_attention(attention: Attention, generation: str,
@@ -103,7 +99,6 @@ def compile_attention(attention: Attention, generation: str,
     fwd_spec, bwd_spec = attention.specs(blocks, generation)
     fwd_args, _ = argument_structs(fwd_spec)
     _, bwd_args = argument_structs(bwd_spec)
-    with_ds = bwd_spec.bias_shape is not None
     return [compile_jax(forward_call(fwd_spec), fwd_args, generation, "forward"),
-            compile_jax(dq_call(bwd_spec, with_ds), bwd_args, generation, "backward_dq"),
+            compile_jax(dq_call(bwd_spec, bwd_spec.score_grad), bwd_args, generation, "backward_dq"),
             compile_jax(dkv_call(bwd_spec), bwd_args, generation, "backward_dkv")]

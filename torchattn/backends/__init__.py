@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autograd, devices, once
+from .. import autograd, devices, kernel_calls, once
 from ..backend import Backend
-from ..kernels import torch_side, vmem
+from ..kernels import vmem
 from ..request import Request
 from . import interpret, pallas, reference, sdpa, xla
 
@@ -79,5 +79,5 @@ def run(request: Request, backend: Backend):
         return backend.dense(request)
     generation = request.options.generation
     if backend.vmem_checked and generation is not None:
-        vmem.check_fits(generation, torch_side.vmem_operands(request), request.options.block_sizes)
+        vmem.check_fits(generation, kernel_calls.vmem_operands(request), request.options.block_sizes)
     return autograd.blockwise_attention(request, backend)

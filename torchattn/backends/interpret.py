@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import functools
 
+from .. import kernel_calls
 from ..backend import Backend
-from ..kernels import torch_side
 
-BACKEND = Backend("interpret", torch_side.unavailable, forward=functools.partial(torch_side.forward, interpret=True),
-                  backward=functools.partial(torch_side.backward, interpret=True), per_device=True)
+BACKEND = Backend("interpret", kernel_calls.unavailable,
+                  forward=functools.partial(kernel_calls.forward, interpret=True),
+                  backward=functools.partial(kernel_calls.backward, interpret=True), per_device=True)

@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import arguments
-from .common import KernelSpec, block_scores, block_specs, dropout_scale, load, pallas_function, q_grid_coords
+from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, load, pallas_function,
+                     q_grid_coords)
 from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -44,8 +45,8 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
     """
     lse, delta = inputs["lse"][:, :1], inputs["delta"][:, :1]  # (block_q, 1): one lane of each row
-    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs["segment_ids"]),
-                                   load(inputs["kv_segment_ids"]), load(inputs["bias"]))
+    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs.get("segment_ids")),
+                                   load(inputs.get("kv_segment_ids")), load(inputs.get("bias")))
     p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is not -inf where keep
     dp = _dot(do, inputs["v"][...], _NT)
     if spec.options.dropout_p > 0.0:
@@ -121,9 +122,9 @@ def dq_call(spec: KernelSpec, with_ds: bool):
     q_pad, kv_pad). Other shapes as in :func:`forward_call`. Memoised per spec.
     """
     bq, bkv, d = spec.block_q, spec.block_kv, spec.head_dim
-    blocks = block_specs(spec, q_grid_coords(spec))
-    in_specs = [blocks[name] for name in arguments.names(spec, backward=True)]
-    out_specs = [blocks["q"]]  # dq is laid out like q
+    coords = q_grid_coords(spec)
+    in_specs = block_specs(spec, coords, backward=True)
+    out_specs = [block_spec(spec, arguments.named(spec, "q"), coords)]  # dq is laid out like q
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype))]
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, h, i, j, key_ref: (b, h, i, j)))
@@ -147,13 +148,13 @@ def dkv_call(spec: KernelSpec):
     def coords(b, hk, j, t):  # t walks (query head in the group, query block); skipped steps re-use a fetched block
         return b, hk * g + t // nq, hk, spec.blocks.fetched_q_block(j, t % nq, jnp), j
 
-    blocks = block_specs(spec, coords)
-    in_specs = [blocks[name] for name in arguments.names(spec, backward=True)]
+    in_specs = block_specs(spec, coords, backward=True)
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
     return pallas_function(
         functools.partial(dkv_kernel, spec=spec),
         spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
-        in_specs=in_specs, out_specs=[blocks["k"], blocks["v"]],  # dk, dv are laid out like k, v
+        in_specs=in_specs, out_specs=[block_spec(spec, arguments.named(spec, name), coords)
+                                      for name in ("k", "v")],  # dk, dv are laid out like k, v
         out_shape=[kv_shape, kv_shape],
         scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
         name="torchattn_backward_dkv", cost_estimate=dkv_cost(spec))

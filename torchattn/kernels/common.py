@@ -14,6 +14,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
+from ..roles import PAIRS
 from . import arguments
 from .block_geometry import BlockGeometry
 
@@ -24,7 +25,8 @@ class KernelSpec:
 
     Lengths ``q_len``/``kv_len`` are the true ones; arrays are padded to
     ``q_pad``/``kv_pad`` (multiples of the block sizes) and the padding is masked.
-    ``bias_shape`` is the padded bias shape, each dim 1 (broadcast) or full.
+    ``arrays``: the call's inputs in argument order (kernels/arguments.py: q, k, v, then any of the
+    optional tensors the call has).
     ``options``: the call's static options (torchattn.request.Options: scale, softcap, dropout_p,
     bounds, ...), read by the kernels as they are, not copied field by field.
     """
@@ -41,8 +43,7 @@ class KernelSpec:
     block_kv: int
     dtype: str
     options: object
-    has_segments: bool
-    bias_shape: tuple[int, int, int, int] | None
+    arrays: tuple[arguments.Array, ...]
     interpret: bool
     vmem_limit_bytes: int | None = None  # Mosaic's scoped VMEM limit; None keeps the compiler's default
 
@@ -65,15 +66,10 @@ class KernelSpec:
         return BlockGeometry(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q, block_kv=self.block_kv,
                              left=left, right=right)
 
-    def bias_block(self, block_q, block_kv):
-        """Block shape of the bias: broadcast (size-1) dims stay 1."""
-        _, _, sq, skv = self.bias_shape
-        return (None, None, block_q if sq > 1 else 1, block_kv if skv > 1 else 1)
-
-    def bias_index(self, batch, head, q_block, kv_block):
-        bb, bh, sq, skv = self.bias_shape
-        return (batch if bb > 1 else 0, head if bh > 1 else 0,
-                q_block if sq > 1 else 0, kv_block if skv > 1 else 0)
+    @property
+    def score_grad(self) -> bool:
+        """An input per (q, kv) pair gets a gradient, so the dq kernel also writes the score gradient ds."""
+        return any(array.grad for array in self.arrays if array.role == PAIRS)
 
 
 def load(ref):
@@ -138,30 +134,19 @@ def q_grid_coords(spec: KernelSpec):
     return coords
 
 
-def block_specs(spec: KernelSpec, coords) -> dict[str, pl.BlockSpec]:
-    """A BlockSpec for every array of the argument contract (kernels/arguments.py) on one grid.
+def block_specs(spec: KernelSpec, coords, backward: bool) -> list[pl.BlockSpec]:
+    """The BlockSpecs of a kernel's input arrays (kernels/arguments.py), in argument order, on one grid.
 
-    coords(*grid indices) -> (batch, head, kv_head, q_block, kv_block) of the step; each
-    array's index map picks its own from them (query-shaped arrays by query head and block,
-    key-shaped by kv head and key block, the bias by both).
+    coords(*grid indices) -> (batch, head, kv_head, q_block, kv_block) of the step; each array's
+    index map picks its own from them by its role (:meth:`arguments.Array.block_index`).
     """
-    def bias_index(b, h, hk, i, j):
-        return spec.bias_index(b, h, i, j)
+    return [block_spec(spec, array, coords) for array in arguments.inputs(spec, backward)]
 
-    pick = {
-        "q": lambda b, h, hk, i, j: (b, h, i, 0),
-        "k": lambda b, h, hk, i, j: (b, hk, j, 0),
-        "segment_ids": lambda b, h, hk, i, j: (b, i, 0),
-        "kv_segment_ids": lambda b, h, hk, i, j: (b, 0, j),
-        "bias": bias_index,
-    }
-    pick.update(v=pick["k"], do=pick["q"], lse=pick["q"], delta=pick["q"])
 
-    def block_spec(shape, choose):
-        return pl.BlockSpec(shape, lambda *grid: choose(*coords(*grid[:-1])))  # the last index is the dropout key's ref
-
-    shapes = arguments.block_shapes(spec)
-    return {name: block_spec(shapes[name], pick[name]) for name in arguments.ARRAYS if shapes[name] is not None}
+def block_spec(spec: KernelSpec, array: arguments.Array, coords) -> pl.BlockSpec:
+    """The BlockSpec of ``array`` on the grid ``coords`` describes; the last grid index is the dropout key's ref."""
+    return pl.BlockSpec(array.block(spec.block_q, spec.block_kv, spec.head_dim),
+                        lambda *grid: array.block_index(*coords(*grid[:-1])))
 
 
 def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,

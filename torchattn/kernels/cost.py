@@ -33,6 +33,7 @@ import dataclasses
 import numpy as np
 from jax.experimental import pallas as pl
 
+from ..roles import PAIRS, Q_ROWS
 from . import arguments
 from .common import KernelSpec
 
@@ -42,10 +43,7 @@ _WORD = 4  # bytes of a float32 score gradient (ds)
 def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
     """Forward kernel (out, lse), grid (batch, q_heads, q_blocks, kv_blocks)."""
     grid = _Grid.of_q_grid(spec)
-    block = arguments.block_bytes(spec)
-    moved = (grid.q_transfers() * (2 * block["q"] + block["lse"])  # q read, out written; lse written
-             + grid.kv_transfers() * (block["k"] + block["v"])
-             + _mask_bytes(spec, grid, block))
+    moved = _input_bytes(spec, grid, backward=False) + grid.q_transfers() * (_bytes(spec, "q") + _bytes(spec, "lse"))
     tiles = grid.tiles_visited()
     row_exps = spec.block_q * (tiles + spec.batch * spec.q_heads * spec.num_q_blocks)  # rescale per tile, log
     return _estimate(spec, tiles, matmuls=2, extra_transcendentals=row_exps, bytes_accessed=moved)
@@ -54,10 +52,7 @@ def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
 def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
     """dq kernel, grid (batch, q_heads, q_blocks, kv_blocks); ``with_ds``: also the score gradient ds."""
     grid = _Grid.of_q_grid(spec)
-    block = arguments.block_bytes(spec)
-    moved = (grid.q_transfers() * (2 * block["q"] + block["do"] + block["lse"] + block["delta"])  # dq written
-             + grid.kv_transfers() * (block["k"] + block["v"])
-             + _mask_bytes(spec, grid, block))
+    moved = _input_bytes(spec, grid, backward=True) + grid.q_transfers() * _bytes(spec, "q")  # dq written
     if with_ds:  # written for every tile, skipped ones as zeros
         all_tiles = spec.batch * spec.q_heads * spec.num_q_blocks * spec.num_kv_blocks
         moved += all_tiles * spec.block_q * spec.block_kv * _WORD
@@ -67,11 +62,9 @@ def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
 def dkv_cost(spec: KernelSpec) -> pl.CostEstimate:
     """dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks)."""
     grid = _Grid.of_kv_grid(spec)
-    block = arguments.block_bytes(spec)
-    moved = (grid.q_transfers() * (block["q"] + block["do"] + block["lse"] + block["delta"])
-             + grid.kv_transfers() * 2 * (block["k"] + block["v"])  # k, v read; dk, dv written
-             + _mask_bytes(spec, grid, block))
-    return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0, bytes_accessed=moved)
+    written = grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))  # dk, dv
+    return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0,
+                     bytes_accessed=_input_bytes(spec, grid, backward=True) + written)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +136,27 @@ def _changes(arrays: list, length: int) -> np.ndarray:
     return changed
 
 
-def _mask_bytes(spec: KernelSpec, grid: _Grid, block: dict[str, int]) -> int:
-    """Segment ids and the bias (``block``: bytes per block), broadcast dims read once."""
-    moved = 0
-    if spec.has_segments:
-        moved += (grid.transfers([grid.batch], [grid.q_block]) * block["segment_ids"]
-                  + grid.transfers([grid.batch], [grid.kv_block]) * block["kv_segment_ids"])
-    if spec.bias_shape is not None:
-        bias_batch, bias_heads, bias_q, bias_kv = (size > 1 for size in spec.bias_shape)
-        outer = [grid.batch] * bias_batch + [grid.head] * bias_heads
-        inner = [grid.group] * bias_heads + [grid.q_block] * bias_q + [grid.kv_block] * bias_kv
-        moved += grid.transfers(outer, inner) * block["bias"]
-    return moved
+def _bytes(spec: KernelSpec, name: str) -> int:
+    """HBM bytes of one block of the array called ``name`` (or of an output laid out like it)."""
+    return arguments.named(spec, name).block_bytes(spec.block_q, spec.block_kv, spec.head_dim)
+
+
+def _input_bytes(spec: KernelSpec, grid: _Grid, backward: bool) -> int:
+    """Every input array's blocks, each moved when its block index changes; broadcast dims read once."""
+    return sum(_transfers(grid, array) * array.block_bytes(spec.block_q, spec.block_kv, spec.head_dim)
+               for array in arguments.inputs(spec, backward))
+
+
+def _transfers(grid: _Grid, array: arguments.Array) -> int:
+    """Blocks of ``array`` moved over the grid, by its role (kernels/arguments.py)."""
+    if array.role == PAIRS:
+        per_batch, per_head, per_q, per_kv = (not one for one in array.broadcast)
+        outer = [grid.batch] * per_batch + [grid.head] * per_head
+        inner = [grid.group] * per_head + [grid.q_block] * per_q + [grid.kv_block] * per_kv
+        return grid.transfers(outer, inner)
+    if array.role == Q_ROWS:
+        return grid.q_transfers() if array.heads else grid.transfers([grid.batch], [grid.q_block])
+    return grid.kv_transfers() if array.heads else grid.transfers([grid.batch], [grid.kv_block])
 
 
 def _estimate(spec: KernelSpec, tiles: int, *, matmuls: int, extra_transcendentals: int,

@@ -17,7 +17,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES
 from . import arguments
-from .common import KernelSpec, block_scores, block_specs, dropout_scale, load, pallas_function, q_grid_coords
+from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, load, pallas_function,
+                     q_grid_coords)
 from .cost import forward_cost
 
 
@@ -34,8 +35,8 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
     @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
     def _step():
         s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block,
-                               load(inputs["segment_ids"]), load(inputs["kv_segment_ids"]),
-                               load(inputs["bias"]))  # s: (block_q, block_kv)
+                               load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids")),
+                               load(inputs.get("bias")))  # s: (block_q, block_kv)
         m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # (block_q, 1)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
@@ -68,14 +69,15 @@ def forward_call(spec: KernelSpec):
 
     Shapes: dropout_key int32 (3,); q (batch, q_heads, q_pad, head_dim); k, v (batch,
     kv_heads, kv_pad, head_dim); segment_ids int32 (batch, q_pad, 128); kv_segment_ids int32
-    (batch, 8, kv_pad); bias ``spec.bias_shape``. Returns out like q and lse
+    (batch, 8, kv_pad); bias as kernels/arguments.py lays it out. Returns out like q and lse
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,
     so torch_xla's call_jax cache (keyed by function id) hits.
     """
     bq, d = spec.block_q, spec.head_dim
-    blocks = block_specs(spec, q_grid_coords(spec))
-    in_specs = [blocks[name] for name in arguments.names(spec, backward=False)]
-    out_specs = [blocks["q"], blocks["lse"]]  # out is laid out like q, lse like the backward's lse
+    coords = q_grid_coords(spec)
+    in_specs = block_specs(spec, coords, backward=False)
+    # out is laid out like q, lse like the backward's lse
+    out_specs = [block_spec(spec, arguments.named(spec, name), coords) for name in ("q", "lse")]
     out_shape = [jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, d), jnp.dtype(spec.dtype)),
                  jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, LANES), jnp.float32)]
     return pallas_function(

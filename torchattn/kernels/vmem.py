@@ -8,7 +8,7 @@ A kernel holds in VMEM:
 - every input and output block twice: Pallas' pipeline fetches the next block
   while the kernel works on this one. A block is stored in (8, 128) tiles of
   32-bit words: rows padded to 8 (16 for bfloat16, two rows per word), lanes to
-  128. head_dim is padded to 128 lanes (kernels/torch_side.py);
+  128. head_dim is padded to 128 lanes (torchattn/kernel_calls.py);
 - its scratch (forward.py, backward.py), float32: the forward's running max and
   denominator (block_q, 128) and accumulator (block_q, head_dim); dq's
   accumulator (block_q, head_dim); dk/dv's two (block_kv, head_dim);
@@ -45,7 +45,9 @@ import dataclasses
 
 from .. import generations
 from ..block_sizes import BlockSizes
+from ..roles import PAIRS
 from ..tiling import LANES, SUBLANES, round_up
+from . import arguments
 
 MiB = 1 << 20
 KERNELS = ("forward", "backward_dq", "backward_dkv")
@@ -79,27 +81,25 @@ class Operands:
 
     head_dim: per head, before padding to 128 lanes.
     dtype: of q, k, v: "float32" or "bfloat16".
-    segments: segment ids given (a (block_q, 128) and an (8, block_kv) int32 block).
-    bias: the bias's (q_len, kv_len) sizes, 1 where broadcast; None without a bias.
-    bias_dtype: "float32" or "bfloat16" (a bias in q's dtype is used as it is).
-    bias_grad: the bias needs a gradient: the dq kernel also writes a (block_q, block_kv)
-        float32 block of score gradients.
+    extra: the call's inputs besides q, k and v (segment ids, a bias: kernels/arguments.py), each a block in
+        VMEM; an input per (q, kv) pair that gets a gradient makes the dq kernel also write a
+        (block_q, block_kv) float32 block of score gradients.
     dropout, softcap: the call uses them.
     """
 
     head_dim: int
     dtype: str
-    segments: bool = False
-    bias: tuple[int, int] | None = None
-    bias_dtype: str = "float32"
-    bias_grad: bool = False
+    extra: tuple[arguments.Array, ...] = ()
     dropout: bool = False
     softcap: bool = False
 
     def __post_init__(self):
-        for name in ("dtype", "bias_dtype"):
-            if getattr(self, name) not in _ITEMSIZE:
-                raise ValueError(f"Operands.{name}: expected one of {sorted(_ITEMSIZE)}, got {getattr(self, name)!r}")
+        if self.dtype not in _ITEMSIZE:
+            raise ValueError(f"Operands.dtype: expected one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")
+
+    @property
+    def score_grad(self) -> bool:
+        return any(array.grad for array in self.extra if array.role == PAIRS)
 
 
 def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
@@ -118,18 +118,15 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
     per_row = _tile_bytes(block_q, LANES, _WORD)  # lse, delta, running max: lane-broadcast float32
     scores = _tile_bytes(block_q, block_kv, _WORD)
     inputs = [q_block, kv_block, kv_block]  # q, k, v
-    if kernel != "forward":
-        inputs += [q_block, per_row, per_row]  # do, lse, delta
-    if operands.segments:
-        inputs += [_tile_bytes(block_q, LANES, _WORD), _tile_bytes(SUBLANES, block_kv, _WORD)]
-    if operands.bias is not None:
-        bias_rows, bias_cols = (block if dim > 1 else 1 for dim, block in zip(operands.bias, (block_q, block_kv)))
-        inputs.append(_tile_bytes(bias_rows, bias_cols, _ITEMSIZE[operands.bias_dtype]))
+    others = operands.extra + (arguments.backward_arrays(operands.dtype) if kernel != "forward" else ())
+    for array in others:
+        rows, cols = array.block(block_q, block_kv, d)[-2:]
+        inputs.append(_tile_bytes(rows, cols, arguments.ITEMSIZE[array.dtype]))
     if kernel == "forward":
         outputs = [q_block, per_row]  # out, lse
         scratch = [per_row, per_row, _tile_bytes(block_q, d, _WORD)]
     elif kernel == "backward_dq":
-        outputs = [q_block] + ([scores] if operands.bias is not None and operands.bias_grad else [])
+        outputs = [q_block] + ([scores] if operands.score_grad else [])
         scratch = [_tile_bytes(block_q, d, _WORD)]
     else:
         outputs = [kv_block, kv_block]  # dk, dv

@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .. import counters, internals
+from . import counters, internals
 
 
 def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,154 @@
+"""Torch side of the Pallas kernels (torchattn/kernels/): the call's tensors as the kernels' arrays, padded and
+laid out, the kernel calls, the results unpadded.
+
+Shared by the ``pallas`` (Mosaic-compiled) and ``interpret`` backends, which differ only in ``interpret``.
+Everything per tensor follows from its declaration (torchattn.request.Tensors) and the kernels' argument
+contract (torchattn/kernels/arguments.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import generations, jax_bridge
+from .kernels import arguments, vmem
+from .request import Options, Request, Tensors
+from .roles import BATCH_HEADS, PAIRS, Q_ROWS
+from .tiling import LANES, SUBLANES, round_up
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def unavailable(request: Request) -> str | None:
+    if request.device.type != "xla":
+        return f"needs tensors on an XLA device; got {request.device.type}"
+    if request.dtype not in KERNEL_DTYPES:
+        return f"the Pallas kernels take float32 or bfloat16; got {request.dtype}"
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def kernel_arrays(tensors: Tensors) -> tuple[arguments.Array, ...]:
+    """The call's present tensors (but the per-device dropout key) as the kernels' arrays, in declaration order."""
+    return tuple(
+        arguments.Array(field.name, field.role, heads=field.heads, features=field.features,
+                        dtype=_dtype_name(t.dtype),
+                        broadcast=tuple(n == 1 for n in t.shape) if field.role == PAIRS else None,
+                        grad=field.role == PAIRS and field.grad and t.requires_grad)
+        for field, t in zip(Tensors.declared(), tensors.values()) if t is not None and field.role != BATCH_HEADS)
+
+
+def vmem_operands(request: Request) -> vmem.Operands:
+    """What, besides block sizes, sets the VMEM the kernels of ``request`` need."""
+    return vmem.Operands(head_dim=request.head_dim, dtype=_dtype_name(request.dtype),
+                         extra=kernel_arrays(request.tensors())[3:],  # after q, k, v
+                         dropout=request.options.dropout_p > 0, softcap=request.options.softcap is not None)
+
+
+def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, interpret: bool):
+    """The KernelSpec of one call; ``options.generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
+    from .kernels.common import KernelSpec  # imports jax: only once a kernel actually runs
+
+    batch, q_heads, q_len, head_dim = tensors.q.shape
+    kv_heads, kv_len = tensors.k.shape[1], tensors.k.shape[2]
+    generation = options.generation
+    return KernelSpec(
+        batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
+        q_pad=round_up(q_len, block_q), kv_pad=round_up(kv_len, block_kv),
+        head_dim=round_up(head_dim, LANES),  # zero lanes change neither q k^T nor p v
+        block_q=block_q, block_kv=block_kv, dtype=_dtype_name(tensors.q.dtype), options=options,
+        arrays=kernel_arrays(tensors), interpret=interpret,
+        vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and not interpret else None)
+
+
+def _pad_lanes(t: torch.Tensor, length: int) -> torch.Tensor:
+    return F.pad(t, (0, length - t.shape[-1])) if t.shape[-1] != length else t
+
+
+def _pad_rows(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
+    extra = length - t.shape[dim]
+    if extra == 0:
+        return t
+    pads = [0, 0] * (t.dim() - 1 - dim) + [0, extra]
+    return F.pad(t, pads)
+
+
+def _layout(spec, array: arguments.Array, t: torch.Tensor) -> torch.Tensor:
+    """A tensor in the kernels' layout for ``array`` (kernels/arguments.py): rows padded to the blocks, head_dim
+    to the lanes; one value per q row broadcast over the 128 lanes, per kv row over the 8 sublanes; a per-pair
+    tensor padded along the dims it does not broadcast over."""
+    target = arguments.shape(spec, array)
+    if array.role == PAIRS:
+        return _pad_rows(_pad_rows(t, target[2], dim=2), target[3], dim=3)
+    if array.features:
+        return _pad_rows(_pad_lanes(t, spec.head_dim), target[-2])
+    if array.role == Q_ROWS:
+        t = _pad_rows(t, target[-2], dim=t.dim() - 1)
+        return t[..., None].expand(*t.shape, LANES)
+    t = _pad_rows(t, target[-1], dim=t.dim() - 1)
+    return t[..., None, :].expand(*t.shape[:-1], SUBLANES, t.shape[-1])
+
+
+def _kernel_arguments(spec, dropout_key, tensors: dict[str, torch.Tensor], backward: bool) -> list[torch.Tensor]:
+    """The dropout key and every array a kernel takes, laid out, in argument order (kernels/arguments.py)."""
+    return [dropout_key, *(_layout(spec, array, tensors[array.name]) for array in arguments.inputs(spec, backward))]
+
+
+def _kernel_key(dropout_key: torch.Tensor | None, device) -> torch.Tensor:
+    """The dropout key (int64 (3,), torchattn.dropout.keys) as int32 (3,): JAX runs without 64-bit
+    types; the seed's 32 bits keep their pattern, the other two entries are small."""
+    if dropout_key is None:
+        return torch.zeros(3, dtype=torch.int32, device=device)
+    return torch.where(dropout_key >= 2**31, dropout_key - 2**32, dropout_key).to(torch.int32)
+
+
+def _present(tensors: Tensors) -> dict[str, torch.Tensor]:
+    return {field.name: t for field, t in zip(Tensors.declared(), tensors.values()) if t is not None}
+
+
+def forward(tensors: Tensors, options: Options, *, interpret: bool):
+    from .kernels.forward import forward_call
+
+    q = tensors.q
+    spec = kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, interpret)
+    out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
+                  ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
+    kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), _present(tensors),
+                                    backward=False)
+    out, lse = jax_bridge.call(forward_call(spec), kernel_args, out_shapes, name="torchattn.forward",
+                               interpret=interpret)
+    return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
+
+
+def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, interpret: bool):
+    """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
+    from .kernels.backward import dkv_call, dq_call
+
+    q, k = tensors.q, tensors.k
+    blocks = options.block_sizes
+    spec = kernel_spec(tensors, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret)
+    # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
+    arrays = dict(_present(tensors), do=do, lse=torch.where(lse == float("-inf"), 0.0, lse),
+                  delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
+    kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), arrays, backward=True)
+    pair_grads = [array for array in spec.arrays if array.role == PAIRS and array.name in wanted]
+    dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]
+    if pair_grads:
+        dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))
+    dq, *ds = jax_bridge.call(dq_call(spec, bool(pair_grads)), kernel_args, dq_shapes,
+                              name="torchattn.backward_dq", interpret=interpret)
+    kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
+    dk, dv = jax_bridge.call(dkv_call(spec), kernel_args, [kv_shape, kv_shape],
+                             name="torchattn.backward_dkv", interpret=interpret)
+    d = q.shape[3]
+    grads = dict(q=dq[:, :, : spec.q_len, :d], k=dk[:, :, : spec.kv_len, :d], v=dv[:, :, : spec.kv_len, :d])
+    for array in pair_grads:  # an additive term per (q, kv) pair: its gradient is ds, summed where it broadcasts
+        term = arrays[array.name]
+        ds_term = ds[0][:, :, : spec.q_len, : spec.kv_len]
+        broadcast = [dim for dim in range(4) if term.shape[dim] == 1 and ds_term.shape[dim] > 1]
+        grads[array.name] = (ds_term.sum(dim=broadcast, keepdim=True) if broadcast else ds_term).to(term.dtype)
+    return grads

@@ -42,6 +42,14 @@ def tiles_seen(seen: np.ndarray, block_q: int, block_kv: int) -> np.ndarray:
                       for j in range(kv_blocks)] for i in range(q_blocks)], dtype=bool).reshape(q_blocks, kv_blocks)
 
 
+def tiles_full(seen: np.ndarray, block_q: int, block_kv: int) -> np.ndarray:
+    """bool (q_blocks, kv_blocks): every pair of the tile, padding included (which nothing sees), is visible."""
+    q_blocks, kv_blocks = -(-seen.shape[0] // block_q), -(-seen.shape[1] // block_kv)
+    padded = np.zeros((q_blocks * block_q, kv_blocks * block_kv), dtype=bool)
+    padded[:seen.shape[0], :seen.shape[1]] = seen
+    return padded.reshape(q_blocks, block_q, kv_blocks, block_kv).all(axis=(1, 3))
+
+
 def geometry(q_len, kv_len, block_q, block_kv, causal, window) -> BlockGeometry:
     left, right = masks.diagonal_bounds(causal, window)
     return BlockGeometry(q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv, left=left, right=right)
@@ -80,6 +88,22 @@ def test_tile_visible_iff_it_holds_a_visible_pair(causal, window):
         q_block, kv_block = np.indices(seen.shape)
         got = np.broadcast_to(g.visible(q_block, kv_block, np), seen.shape)
         assert (got == seen).all(), f"{g}: visible\n{got.astype(int)}\nbrute force\n{seen.astype(int)}"
+
+
+@pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
+def test_tile_full_iff_every_pair_is_visible(causal, window):
+    """A full tile takes the kernels' mask-free path: one pair it wrongly calls visible is a wrong output."""
+    fulls = 0
+    for q_len, kv_len, block_q, block_kv in itertools.product(LENGTHS, LENGTHS, BLOCKS, BLOCKS):
+        g = geometry(q_len, kv_len, block_q, block_kv, causal, window)
+        truth = tiles_full(pairs_seen(q_len, kv_len, causal, window), block_q, block_kv)
+        q_block, kv_block = np.indices(truth.shape)
+        got = np.broadcast_to(g.full(q_block, kv_block), truth.shape)
+        assert (got == truth).all(), f"{g}: full\n{got.astype(int)}\nbrute force\n{truth.astype(int)}"
+        assert g.every_tile_full == truth.all() or not (g.left is None and g.right is None), g
+        fulls += int(truth.sum())
+    if window is None:
+        assert fulls > 0  # the combinations hold full tiles (narrow windows fill none)
 
 
 @pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)

@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import arguments
 from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, load, pallas_function,
-                     q_grid_coords)
+                     q_grid_coords, tile_paths)
 from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -35,19 +35,21 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do):
+def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked):
     """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
 
     ``inputs``: the kernel's input refs by name (kernels/arguments.py); q, k, do: their blocks,
-    loaded by the caller, which uses them again.
+    loaded by the caller, which uses them again; ``masked``: False on a full tile (common.tile_paths).
 
     ds is the gradient of the logits after softcap and bias (= dbias); dlogits
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
     """
     lse, delta = inputs["lse"][:, :1], inputs["delta"][:, :1]  # (block_q, 1): one lane of each row
     s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs.get("segment_ids")),
-                                   load(inputs.get("kv_segment_ids")), load(inputs.get("bias")))
-    p = jnp.where(keep, jnp.exp(s - lse), 0.0)  # (block_q, block_kv); lse is not -inf where keep
+                                   load(inputs.get("kv_segment_ids")), load(inputs.get("bias")), masked)
+    p = jnp.exp(s - lse)  # (block_q, block_kv)
+    if masked:
+        p = jnp.where(keep, p, 0.0)  # lse is not -inf where keep
     dp = _dot(do, inputs["v"][...], _NT)
     if spec.options.dropout_p > 0.0:
         scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
@@ -70,14 +72,15 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    @pl.when(visible)
-    def _step():
+    def tile(masked: bool):
         k = inputs["k"][...]
         _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
-                                         inputs["q"][...], k, inputs["do"][...])
+                                         inputs["q"][...], k, inputs["do"][...], masked)
         dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
         if with_ds:
             ds_ref[...] = ds
+
+    tile_paths(spec, q_block, kv_block, visible, tile)
 
     if with_ds:
         @pl.when(jnp.logical_not(visible))
@@ -100,13 +103,14 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec):
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
-    def _step():
+    def tile(masked: bool):
         q, do = inputs["q"][...], inputs["do"][...]
         p, _, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
-                                        q, inputs["k"][...], do)
+                                        q, inputs["k"][...], do, masked)
         dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
         dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.options.scale
+
+    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():

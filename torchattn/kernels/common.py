@@ -77,13 +77,14 @@ def load(ref):
     return None if ref is None else ref[...]
 
 
-def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias):
+def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias, masked: bool = True):
     """Scores and visibility of one (block_q, block_kv) tile.
 
     q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
     kv_ids: (SUBLANES, block_kv) or None; bias: (block_q or 1, block_kv or 1) or None.
-    Returns (scores float32 with masked entries -inf, visible bool, capped tanh or None);
-    the tanh is kept for the softcap gradient.
+    ``masked`` False: the tile is full (:func:`tile_paths`), so no mask is computed.
+    Returns (scores float32 with masked entries -inf, visible bool or None when not masked,
+    capped tanh or None); the tanh is kept for the softcap gradient.
     """
     bq, bkv = q.shape[0], k.shape[0]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -95,6 +96,8 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
         s = options.softcap * capped
     if bias is not None:
         s = s + bias.astype(jnp.float32)
+    if not masked:
+        return s, None, capped
     rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
     cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
     if q_ids is not None:
@@ -104,6 +107,19 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
     keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=left, right=right,
                          q_ids=q_ids, kv_ids=kv_ids)
     return jnp.where(keep, s, -jnp.inf), keep, capped
+
+
+def tile_paths(spec: KernelSpec, q_block, kv_block, visible, tile) -> None:
+    """Runs ``tile(masked)`` on a visible tile: mask-free on a full tile (every pair visible by the band and the
+    lengths, no segment ids), with the mask on the others. When every tile is full, or segment ids make every
+    tile masked, only one path is built."""
+    segments = any(array.name == "segment_ids" for array in spec.arrays)
+    if segments or spec.blocks.every_tile_full:
+        pl.when(visible)(lambda: tile(masked=segments))
+        return
+    full = spec.blocks.full(q_block, kv_block)
+    pl.when(full)(lambda: tile(masked=False))
+    pl.when(visible & jnp.logical_not(full))(lambda: tile(masked=True))
 
 
 def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape):

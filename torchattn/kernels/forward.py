@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..tiling import LANES
 from . import arguments
 from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, load, pallas_function,
-                     q_grid_coords)
+                     q_grid_coords, tile_paths)
 from .cost import forward_cost
 
 
@@ -32,11 +32,10 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
-    def _step():
+    def tile(masked: bool):
         s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block,
                                load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids")),
-                               load(inputs.get("bias")))  # s: (block_q, block_kv)
+                               load(inputs.get("bias")), masked)  # s: (block_q, block_kv)
         m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # (block_q, 1)
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
@@ -51,6 +50,8 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         acc_ref[...] = acc_ref[...] * alpha + pv
         m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
         l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
+
+    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> dict:
     state = trainer.optimizer.state
     return {
         "summary": {key: value for key, value in summary.items() if isinstance(value, (int, float, str))},
-        "losses": [r["loss"] for r in MetricsFile(trainer.config.output_dir).read() if "loss" in r],
+        "losses": [r["loss"] for r in MetricsFile(trainer.config.run.output_dir).read() if "loss" in r],
         "parameters": {name: {"shape": list(p.shape), "shards": shard_shapes(p), "grad": shard_shapes(p.grad),
                               "moments": [shard_shapes(state[p][key]) for key in ("exp_avg", "exp_avg_sq")]}
                        for name, p in trainer.model.named_parameters()},

@@ -90,6 +90,22 @@ def assert_one_line_failure(result: subprocess.CompletedProcess, *words: str) ->
     assert all(word in lines[0] for word in words), lines[0]
 
 
+def test_schedule_prints_each_kernels_compiler_estimates():
+    result = run_cli("--schedule", "--generation", "v5e", "--q-heads", "2", "--seq-len", "1024", "--head-dim", "128",
+                     "--block-q", "512", "--block-kv", "512", "--block-q-bwd", "512", "--block-kv-bwd", "512")
+    assert result.returncode == 0, result.stderr
+    assert "compiler estimates" in result.stdout.lower() and "not TPU timings" in result.stdout
+    rows = table(result.stdout)
+    assert [row["kernel"] for row in rows] == KERNELS
+    units = {"MXU", "XLU", "VALU", "EUP", "LOAD", "STORE", "SALU"}
+    for row in rows:
+        step, once, mxu = int(row["step_bundles"]), int(row["once_per_row_bundles"]), int(row["mxu_bundles"])
+        assert 0 < mxu <= step and once > 0 and row["bound_unit"] in units, row
+        # 2 heads x 2 x 2 tiles of 512: at least that many steps' bundles at the clock
+        assert float(row["est_us"]) >= 8 * step / generations.get("v5e").clock_hz * 1e6 * 0.999, row
+        assert 0 < float(row["est_frac_peak"]) <= 1, row
+
+
 def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason():
     result = run_cli("--generation", "v4", *LLAMA_8K, "--block-q", "2048", "--block-kv", "1024")
     assert_one_line_failure(result, "v4", "VMEM")

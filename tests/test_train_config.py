@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from train.config import COMPONENTS, RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args, save_config
+from train.config import (FIELDS, FLAGS, GROUPS, RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args,
+                          save_config)
 
 # Every flag issue 7 names, spelled as it does.
 ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
@@ -18,20 +19,21 @@ ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-col
 
 def test_no_arguments_is_the_bbc_topics_recipe():
     config = parse_args([])
-    assert (config.recipe, config.model, config.dataset, config.task, config.attn) == (
+    assert (config.run.recipe, config.model.name, config.data.dataset, config.run.task, config.model.attn) == (
         "bbc-topics", "minilm", "bbc-news", "classification", "torchattn")
 
 
 def test_sotu_lm_recipe_defaults():
     config = parse_args(["--recipe", "sotu-lm"])
-    assert (config.model, config.dataset, config.task, config.max_length) == ("smollm2-135m", "sotu", "lm", 2048)
-    assert not config.grad_checkpointing
-    assert parse_args(["--recipe", "sotu-lm", "--grad-checkpointing"]).grad_checkpointing
+    assert (config.model.name, config.data.dataset, config.run.task, config.data.max_length) == (
+        "smollm2-135m", "sotu", "lm", 2048)
+    assert not config.model.grad_checkpointing
+    assert parse_args(["--recipe", "sotu-lm", "--grad-checkpointing"]).model.grad_checkpointing
 
 
 def test_every_recipe_key_is_a_field():
     for name, values in RECIPES.items():
-        RunConfig(**values, recipe=name)  # raises TypeError on an unknown key
+        RunConfig.from_flat({**values, "recipe": name})  # raises TypeError on an unknown key
 
 
 def test_help_documents_every_flag_of_the_issue():
@@ -48,9 +50,9 @@ def test_config_file_over_recipe_and_flags_over_file(tmp_path, suffix, body):
     path = tmp_path / f"run{suffix}"
     path.write_text(body)
     config = parse_args(["--config", str(path)])
-    assert (config.recipe, config.model, config.max_length, config.lr, config.dropout, config.bf16) == (
-        "sotu-lm", "smollm2-135m", 256, 1.0, 0.05, True)
-    assert parse_args(["--config", str(path), "--max-length", "512", "--model", "m"]).max_length == 512
+    assert (config.run.recipe, config.model.name, config.data.max_length, config.optimizer.lr, config.model.dropout,
+            config.model.bf16) == ("sotu-lm", "smollm2-135m", 256, 1.0, 0.05, True)
+    assert parse_args(["--config", str(path), "--max-length", "512", "--model", "m"]).data.max_length == 512
 
 
 def test_config_file_numbers_yaml_reads_as_strings_convert_as_their_flags_would(tmp_path):
@@ -58,7 +60,8 @@ def test_config_file_numbers_yaml_reads_as_strings_convert_as_their_flags_would(
     path = tmp_path / "run.yaml"
     path.write_text("lr: 1e-3\nweight-decay: 5E-2\nmax-steps: '20'\nmax-length: 64\n")
     config = parse_args(["--config", str(path)])
-    assert (config.lr, config.weight_decay, config.max_steps, config.max_length) == (0.001, 0.05, 20, 64)
+    assert (config.optimizer.lr, config.optimizer.weight_decay, config.optimizer.max_steps, config.data.max_length) == (
+        0.001, 0.05, 20, 64)
     path.write_text("lr: 1e-3x\n")
     with pytest.raises(ConfigError) as error:
         parse_args(["--config", str(path)])
@@ -69,9 +72,62 @@ def test_resume_takes_the_saved_configuration(tmp_path):
     saved = parse_args(["--recipe", "sotu-lm", "--max-length", "256", "--output-dir", str(tmp_path)])
     save_config(saved, str(tmp_path / "config.json"))
     resumed = parse_args(["--output-dir", str(tmp_path), "--resume", "--max-steps", "7"])
-    assert (resumed.recipe, resumed.max_length, resumed.max_steps, resumed.resume) == ("sotu-lm", 256, 7, True)
+    assert (resumed.run.recipe, resumed.data.max_length, resumed.optimizer.max_steps, resumed.run.resume) == (
+        "sotu-lm", 256, 7, True)
     with open(tmp_path / "config.json") as f:
         assert json.load(f)["max_length"] == 256
+
+
+# A config.json as runs wrote it before the configuration was grouped: flat keys in the flags' order.
+OLD_CONFIG_JSON = """{
+  "recipe": "sotu-lm",
+  "model": "m",
+  "dataset": "d.csv",
+  "text_column": "body",
+  "label_column": null,
+  "task": "lm",
+  "max_length": 256,
+  "attn": "sdpa",
+  "backend": "auto",
+  "batch_size": 4,
+  "grad_accum": 2,
+  "lr": 0.001,
+  "lr_schedule": "cosine",
+  "warmup": 0.2,
+  "weight_decay": 0.0,
+  "max_grad_norm": 0.5,
+  "epochs": 3,
+  "max_steps": 9,
+  "bf16": true,
+  "dropout": 0.1,
+  "grad_checkpointing": true,
+  "seed": 5,
+  "eval_fraction": 0.3,
+  "eval_batches": 2,
+  "output_dir": "OUT",
+  "log_steps": 3,
+  "save_steps": 4,
+  "keep_checkpoints": 1,
+  "resume": false,
+  "profile": null,
+  "mesh": null,
+  "compile_only": null,
+  "compile_lengths": null,
+  "compile_attn": null,
+  "compile_layers": null,
+  "compile_report": null
+}
+"""
+
+
+def test_resume_reads_a_flat_config_json_into_the_groups_and_writes_it_back_the_same(tmp_path):
+    (tmp_path / "config.json").write_text(OLD_CONFIG_JSON.replace("OUT", str(tmp_path)))
+    config = parse_args(["--output-dir", str(tmp_path), "--resume"])
+    assert (config.model.name, config.data.text_column, config.optimizer.lr_schedule, config.run.seed,
+            config.checkpoint.keep_checkpoints, config.model.grad_checkpointing) == ("m", "body", "cosine", 5, 1, True)
+    save_config(config, str(tmp_path / "again.json"))
+    assert (tmp_path / "again.json").read_text() == OLD_CONFIG_JSON.replace("OUT", str(tmp_path)).replace(
+        '"resume": false', '"resume": true')
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -89,17 +145,18 @@ def test_bad_values_name_flag_expected_and_given(argv, message):
 
 def test_mesh_axes_in_layout_order_from_flag_and_file(tmp_path):
     config = parse_args(["--mesh", "fsdp=2,data=2"])
-    assert config.mesh == "fsdp=2,data=2"
-    assert mesh_axes(config.mesh) == {"data": 2, "fsdp": 2}
+    assert config.parallel.mesh == "fsdp=2,data=2"
+    assert mesh_axes(config.parallel.mesh) == {"data": 2, "fsdp": 2}
     assert list(mesh_axes(" model = 2 , data=4")) == ["data", "model"]
     path = tmp_path / "run.toml"
     path.write_text('mesh = "data=2,fsdp=2"\nbatch-size = 8\n')
-    assert parse_args(["--config", str(path)]).mesh == "data=2,fsdp=2"
-    assert parse_args([]).mesh == "auto", "no --mesh: decided by the devices (train/parallel.py, default_mesh)"
-    assert parse_args(["--mesh", "none"]).mesh is None, "one device"
-    assert parse_args(["--mesh", "auto", "--batch-size", "3"]).mesh == "auto", "no batch check before the count"
+    assert parse_args(["--config", str(path)]).parallel.mesh == "data=2,fsdp=2"
+    assert parse_args([]).parallel.mesh == "auto", "no --mesh: decided by the devices (train/parallel.py, default_mesh)"
+    assert parse_args(["--mesh", "none"]).parallel.mesh is None, "one device"
+    assert parse_args(["--mesh", "auto", "--batch-size", "3"]).parallel.mesh == "auto", \
+        "no batch check before the count"
     path.write_text("mesh = \"none\"\n")  # TOML has no null
-    assert parse_args(["--config", str(path)]).mesh is None, "the flag's none"
+    assert parse_args(["--config", str(path)]).parallel.mesh is None, "the flag's none"
 
 
 MESH_EXPECTED = ("expected axis=size pairs separated by commas, axes from data, fsdp, model (each at most once), "
@@ -115,7 +172,7 @@ def test_bad_mesh_names_the_flag_expected_and_given(value):
 
 
 def test_mesh_needs_a_global_batch_the_batch_axes_divide():
-    assert parse_args(["--mesh", "data=2,fsdp=2,model=2", "--batch-size", "4"]).batch_size == 4
+    assert parse_args(["--mesh", "data=2,fsdp=2,model=2", "--batch-size", "4"]).data.batch_size == 4
     with pytest.raises(ConfigError) as error:
         parse_args(["--mesh", "data=2,fsdp=2", "--batch-size", "6"])
     assert str(error.value) == "--batch-size: expected a multiple of 4 (the data x fsdp devices of --mesh " \
@@ -129,8 +186,8 @@ def test_help_says_batch_size_is_global_under_a_mesh():
 
 
 def test_every_field_belongs_to_one_component():
-    owners = [name for fields, _ in COMPONENTS.values() for name in fields]
-    assert sorted(owners) == sorted(f.name for f in dataclasses.fields(RunConfig)), "each field exactly once"
+    owners = [f.metadata["key"] or f.name for group in GROUPS.values() for f in dataclasses.fields(group)]
+    assert sorted(owners) == sorted(FLAGS), "each field exactly once"
 
 
 @pytest.mark.parametrize("component, bad", [
@@ -139,13 +196,12 @@ def test_every_field_belongs_to_one_component():
     ("compile_only", dict(compile_layers="2,2")), ("parallel", dict(mesh="tensor=2")),
 ])
 def test_each_component_checks_its_own_fields_naming_the_flag(component, bad):
-    fields, check = COMPONENTS[component]
     flag = "--" + next(iter(bad)).replace("_", "-")
     with pytest.raises(ConfigError, match="^" + flag + ": expected "):
-        RunConfig(**bad)
-    config = RunConfig()
-    for name, value in bad.items():
-        object.__setattr__(config, name, value)
+        RunConfig.from_flat(bad)
+    group = getattr(RunConfig(), component)
+    for key, value in bad.items():
+        object.__setattr__(group, FIELDS[key][1].name, value)
     with pytest.raises(ConfigError, match="^" + flag + ": "):
-        check(config)  # the component's own check refuses it, not another's
-    assert next(iter(bad)) in fields
+        group.check()  # the component's own check refuses it, not another's
+    assert FIELDS[next(iter(bad))][0] == component

@@ -61,3 +61,14 @@ def dense(q_len: int, kv_len: int, *, left, right, segment_ids=None, kv_segment_
     if segment_ids is not None:
         q_ids, kv_ids = segment_ids[:, None, :, None], kv_segment_ids[:, None, None, :]
     return visible(rows, cols, q_len=q_len, kv_len=kv_len, left=left, right=right, q_ids=q_ids, kv_ids=kv_ids)
+
+
+def keys_per_query(q_len: int, kv_len: int, *, left, right):
+    """How many keys each query sees by the band alone: a NumPy int array (q_len,), for counting the
+    attention's work on the host (segment ids are data and not counted)."""
+    import numpy as np
+
+    first, last = band(np.arange(q_len), q_len=q_len, kv_len=kv_len, left=left, right=right)
+    first = 0 if first is None else np.maximum(first, 0)
+    last = kv_len - 1 if last is None else np.minimum(last, kv_len - 1)
+    return np.broadcast_to(np.maximum(last - first + 1, 0), (q_len,))

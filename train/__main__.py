@@ -50,7 +50,7 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     from .data import DataError
     from .models import ModelError
 
-    if config.compile_only is not None:  # plan a TPU job: HBM per chip from the TPU compiler, no training
+    if config.compile_only.topology is not None:  # plan a TPU job: HBM per chip from the TPU compiler, no training
         from .compile_only import run
 
         try:
@@ -65,7 +65,7 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     except (ConfigError, DataError, ModelError) as error:
         return _bad_input(error)
     try:
-        print(f"output folder: {trainer.config.output_dir}", flush=True)
+        print(f"output folder: {trainer.config.run.output_dir}", flush=True)
         if trainer.mesh_description is not None:
             print(f"mesh: {trainer.mesh_description}", flush=True)
         summary = trainer.train()

@@ -124,19 +124,19 @@ def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
     """--compile-lengths, or --max-length and the powers of two above it up to the position limit.
     ConfigError for a length beyond the limit: the model has no positions for it (training refuses
     such a --max-length too)."""
-    if config.compile_lengths is not None:
-        found = sorted(set(positive_ints("compile_lengths", config.compile_lengths)))
-        flag, given = "--compile-lengths", config.compile_lengths
+    if config.compile_only.lengths is not None:
+        found = sorted(set(positive_ints("compile_lengths", config.compile_only.lengths)))
+        flag, given = "--compile-lengths", config.compile_only.lengths
     else:
         top = min(position_limit or MAX_COMPILE_LENGTH, MAX_COMPILE_LENGTH)
-        found, length = [config.max_length], 1 << config.max_length.bit_length()
+        found, length = [config.data.max_length], 1 << config.data.max_length.bit_length()
         while length <= top:
             found.append(length)
             length *= 2
-        flag, given = "--max-length", config.max_length
+        flag, given = "--max-length", config.data.max_length
     if position_limit is not None and found[-1] > position_limit:
         raise ConfigError(f"{flag}: expected lengths up to {position_limit}, the position limit of --model "
-                          f"{config.model!r}, got {given}")
+                          f"{config.model.name!r}, got {given}")
     return found
 
 
@@ -154,9 +154,9 @@ def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
 
     from . import models
 
-    model = models.build_model(model_config, model=config.model, task=config.task, attn=attn,
-                               backend=config.backend, dropout=config.dropout,
-                               grad_checkpointing=config.grad_checkpointing, weights=None)
+    model = models.build_model(model_config, model=config.model.name, task=config.run.task, attn=attn,
+                               backend=config.model.backend, dropout=config.model.dropout,
+                               grad_checkpointing=config.model.grad_checkpointing, weights=None)
     placed = {}  # id of a meta parameter -> its placeholder parameter; tied weights stay tied
     for module in model.modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
@@ -192,10 +192,10 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
     from .trainer import micro_batch_gradients, optimizer_update
 
     model = _empty_model(model_config, config, attn)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)  # as the trainer's
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, weight_decay=0.0)  # as the trainer's
     _steady_state(model, optimizer)
     text_config = model_config.get_text_config()
-    batch = tasks.get(config.task).synthetic_batch(config.batch_size, text_config.vocab_size, length)
+    batch = tasks.get(config.run.task).synthetic_batch(config.data.batch_size, text_config.vocab_size, length)
     inputs = {name: tensor.to(torch_xla.device()) for name, tensor in batch.items()}
     loss = micro_batch_gradients(model, inputs, config)
     optimizer_update(model, optimizer, config)
@@ -308,29 +308,31 @@ def _sweep(config: RunConfig) -> int:
 
     from . import data, models
 
-    target = resolve_target(config.compile_only)
-    attns = [a.strip() for a in config.compile_attn.split(",")] if config.compile_attn else list(ATTNS)
+    target = resolve_target(config.compile_only.topology)
+    attns = [a.strip() for a in config.compile_only.attn.split(",")] if config.compile_only.attn else list(ATTNS)
     num_labels = None
-    if tasks.get(config.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)
-        splits = data.load_splits(config.dataset, task=config.task, text_column=config.text_column,
-                                  label_column=config.label_column, eval_fraction=config.eval_fraction,
-                                  seed=config.seed)
-        num_labels = len(tasks.get(config.task).label_names(splits))
+    if tasks.get(config.run.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)
+        splits = data.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
+                                  label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
+                                  seed=config.run.seed)
+        num_labels = len(tasks.get(config.run.task).label_names(splits))
     for attn in attns:
-        models.check_run_model(task=config.task, num_labels=num_labels, attn=attn,
-                               backend=config.backend if attn == "torchattn" else "auto", dropout=config.dropout)
-    model_config, _, _ = models.model_config(config.model, task=config.task, num_labels=num_labels,
-                                             dropout=config.dropout)
+        models.check_run_model(task=config.run.task, num_labels=num_labels, attn=attn,
+                               backend=config.model.backend if attn == "torchattn" else "auto",
+                               dropout=config.model.dropout)
+    model_config, _, _ = models.model_config(config.model.name, task=config.run.task, num_labels=num_labels,
+                                             dropout=config.model.dropout)
     sizes = lengths(config, models.max_positions(model_config))
     config = config.with_output_dir()
-    path = config.compile_report or os.path.join(config.output_dir, f"hbm-{target.topology.replace(':', '-')}.csv")
-    print(f"compile-only: {config.model} ({config.task}), batch {config.batch_size}, "
-          f"{'bf16 autocast' if config.bf16 else 'float32'}, AdamW float32; one chip of {target.topology} "
+    path = config.compile_only.report or os.path.join(config.run.output_dir,
+                                                      f"hbm-{target.topology.replace(':', '-')}.csv")
+    print(f"compile-only: {config.model.name} ({config.run.task}), batch {config.data.batch_size}, "
+          f"{'bf16 autocast' if config.model.bf16 else 'float32'}, AdamW float32; one chip of {target.topology} "
           f"({target.chips} chip{'s' if target.chips > 1 else ''}), libtpu's compiler", flush=True)
     print(table([], target).splitlines()[0], flush=True)
     rows = []
     layers = model_config.get_text_config().num_hidden_layers
-    cuts = tuple(positive_ints("compile_layers", config.compile_layers)) if config.compile_layers else None
+    cuts = tuple(positive_ints("compile_layers", config.compile_only.layers)) if config.compile_only.layers else None
     with devices.seen_as_tpu(target.generation):
         for attn in attns:
             for length in sizes:

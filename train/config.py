@@ -1,7 +1,8 @@
-"""The run's configuration: one documented dataclass, named recipes, flags and config files.
+"""The run's configuration: one documented group of fields per component, named recipes, flags and config files.
 
-The fields belong to the run's components (run, data, model, optimizer, checkpoint, logging,
-compile_only, parallel: COMPONENTS), each of which checks its own and names the flag it refuses.
+RunConfig holds a group per component of a run (run, data, model, optimizer, checkpoint, logging,
+compile_only, parallel: ``config.data.max_length``, ``config.optimizer.lr``), each a dataclass whose
+check() refuses a bad value naming its flag; RunConfig checks what one group's value asks of another's.
 
 Values resolve in this order, each overriding the one before:
 RunConfig defaults < the recipe (--recipe) < the config file (--config) < flags.
@@ -9,8 +10,10 @@ With --resume, the run's own saved configuration (config.json in --output-dir) t
 the place of the defaults and the recipe, so `--output-dir DIR --resume` continues a
 run with the flags it started with.
 
-Every field is a flag of the same name (``max_length`` is ``--max-length``) and a key
-of the same name in a config file (``max-length`` or ``max_length``).
+Outside the program the configuration is flat, as it always was: every field is a flag
+(``max_length`` is ``--max-length``), a key of a config file (``max-length`` or ``max_length``) and of
+config.json, by its flat name (FIELDS), the field's own unless its group renames it (Model.name is
+``--model``, CompileOnly.lengths is ``--compile-lengths``).
 """
 
 from __future__ import annotations
@@ -45,87 +48,14 @@ def first_line(error: Exception) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def _doc(text: str, **kwargs) -> Any:
-    """A field whose docstring is also its --help text."""
-    return dataclasses.field(metadata={"help": text}, **kwargs)
+def _doc(text: str, *, key: str | None = None, **kwargs) -> Any:
+    """A field whose docstring is also its --help text. ``key``: its flat name (the flag without dashes, a
+    config file's key, config.json's) when that is not the field's own: Model.name is --model."""
+    return dataclasses.field(metadata={"help": text, "key": key}, **kwargs)
 
 
-@dataclasses.dataclass(kw_only=True)
-class RunConfig:
-    """Everything a run depends on. A recipe sets some fields; flags override any. Each component's
-    check (COMPONENTS) runs on construction."""
-
-    recipe: str = _doc("named set of defaults: " + "|".join(("bbc-topics", "sotu-lm")), default="bbc-topics")
-    model: str = _doc("built-in name (minilm, smollm2-135m), local folder, .gguf file or hub id", default="minilm")
-    dataset: str = _doc("built-in name (bbc-news, sotu), a .csv/.json/.jsonl/.parquet file, a folder with one "
-                        "sub-folder of .txt files per label, or a hub id", default="bbc-news")
-    text_column: str | None = _doc("column holding the text (default: the dataset's own, else 'text')",
-                                   default=None)
-    label_column: str | None = _doc("column holding the label (default: the dataset's own, else 'label')",
-                                    default=None)
-    task: str = _doc("|".join(tasks.TASKS), default="classification")
-    max_length: int = _doc("longest sequence in tokens; shorter batches are padded to a power-of-two bucket",
-                           default=128)
-    attn: str = _doc("attention implementation: " + "|".join(ATTNS), default="torchattn")
-    backend: str = _doc("torchattn backend for --attn torchattn (auto picks by device)", default="auto")
-    batch_size: int = _doc("sequences per micro-batch (every batch has exactly this many rows); with --mesh the "
-                           "global batch, over all devices and hosts", default=16)
-    grad_accum: int = _doc("micro-batches per optimizer step", default=1)
-    lr: float = _doc("peak learning rate (AdamW)", default=1e-4)
-    lr_schedule: str = _doc("decay after warm-up: linear|cosine", default="linear")
-    warmup: float = _doc("fraction of the optimizer steps spent warming the learning rate up", default=0.1)
-    weight_decay: float = _doc("AdamW weight decay", default=0.01)
-    max_grad_norm: float = _doc("clip the gradient norm to this (0: no clipping)", default=1.0)
-    epochs: int = _doc("passes over the training split", default=2)
-    max_steps: int | None = _doc("stop after this many optimizer steps (overrides --epochs when reached first)",
-                                 default=None)
-    bf16: bool = _doc("compute in bfloat16 (autocast; weights and optimizer stay float32)", default=False)
-    dropout: float | None = _doc("set every dropout probability of the model, attention dropout included",
-                                 default=None)
-    grad_checkpointing: bool = _doc("recompute each layer's activations in the backward pass (less memory)",
-                                    default=False)
-    seed: int = _doc("seed of the split, the batch order, the weights' initialisation and dropout", default=0)
-    eval_fraction: float = _doc("share of the documents held out for evaluation", default=0.2)
-    eval_batches: int | None = _doc("evaluate on at most this many batches of the held-out split "
-                                    "(always the same ones; default: all)", default=None)
-    output_dir: str | None = _doc("where everything goes (default: runs/<recipe>-<timestamp>)", default=None)
-    log_steps: int = _doc("write a training record to metrics.jsonl every N optimizer steps", default=10)
-    save_steps: int = _doc("write a checkpoint every N optimizer steps (0: only at the end and on SIGTERM)",
-                           default=100)
-    keep_checkpoints: int = _doc("how many recent checkpoints to keep", default=2)
-    resume: bool = _doc("continue from the latest checkpoint in --output-dir", default=False)
-    profile: str | None = _doc("capture a torch_xla profile of a few steps after warm-up into this folder",
-                               default=None)
-    mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
-                            "axes data, fsdp (batch and parameters) and model (attention heads), sizes "
-                            "multiplying to the device count; none: one device; auto: fsdp over every "
-                            "device when the process has several (one device if --batch-size is not a "
-                            "multiple of their count, or under accelerate launch --tpu)", default=AUTO_MESH)
-    compile_only: str | None = _doc("train nothing: compile one training step (forward, backward, optimizer) for "
-                                    "this TPU topology (v5e, v6e, v5e:2x2, v4:2x2x1, ...; per chip of one replica) "
-                                    "with libtpu's compiler on this machine, print HBM per chip for each attention "
-                                    "implementation and length, and write it as CSV", default=None)
-    compile_lengths: str | None = _doc("sequence lengths --compile-only compiles, comma-separated (default: "
-                                       "--max-length and the powers of two above it up to the model's position "
-                                       f"limit, at most {MAX_COMPILE_LENGTH})", default=None)
-    compile_attn: str | None = _doc("attention implementations --compile-only compares, comma-separated "
-                                    "(default: all of " + ",".join(ATTNS) + ")", default=None)
-    compile_layers: str | None = _doc("two layer counts, e.g. 2,4: --compile-only compiles the model cut to each "
-                                      "and extrapolates HBM linearly to its full depth (faster; marked as "
-                                      "extrapolated)", default=None)
-    compile_report: str | None = _doc("the CSV --compile-only writes (default: hbm-<topology>.csv in --output-dir)",
-                                      default=None)
-
-    def __post_init__(self):
-        for _, check in COMPONENTS.values():
-            check(self)
-
-    def with_output_dir(self) -> "RunConfig":
-        """This config with --output-dir resolved (runs/<recipe>-<timestamp> when not given)."""
-        if self.output_dir is not None:
-            return self
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        return dataclasses.replace(self, output_dir=os.path.join("runs", f"{self.recipe}-{stamp}"))
+def _key(field: dataclasses.Field) -> str:
+    return field.metadata["key"] or field.name
 
 
 def _flag(name: str) -> str:
@@ -142,98 +72,258 @@ def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
 
 
 # ---------------------------------------------------------------------------
-# The components of a run: each owns some fields (flags) and checks them, naming the flag it refuses.
-# RunConfig stays one flat set of fields, the same names as the flags, config file keys and config.json.
-
-COMPONENTS: dict[str, tuple[tuple[str, ...], Any]] = {}  # component -> (its fields, its check of a RunConfig)
+# The groups: one per component of a run, each owning its fields (flags) and checking them, naming the flag
+# it refuses. RunConfig holds one of each; what a group's value asks of another's, RunConfig checks.
 
 
-def _component(name: str, *fields: str):
-    def register(check):
-        COMPONENTS[name] = (fields, check)
-        return check
-    return register
+class _Group:
+    """A component's part of the configuration; check() raises ConfigError naming the flag it refuses."""
+
+    def check(self) -> None:
+        raise NotImplementedError
+
+    def _require(self, name: str, ok: bool, expected: str) -> None:
+        _check(_key(self.__dataclass_fields__[name]), getattr(self, name), ok, expected)
+
+    def _choice(self, name: str, choices: tuple[str, ...]) -> None:
+        self._require(name, getattr(self, name) in choices, "one of " + ", ".join(choices))
+
+    def _positive(self, *names: str) -> None:
+        for name in names:
+            self._require(name, getattr(self, name) > 0, "a positive integer")
+
+    def _positive_or_none(self, *names: str) -> None:
+        for name in names:
+            self._require(name, getattr(self, name) is None or getattr(self, name) > 0, "a positive integer")
 
 
-def _positive(config: RunConfig, *names: str) -> None:
-    for name in names:
-        _check(name, getattr(config, name), getattr(config, name) > 0, "a positive integer")
+@dataclasses.dataclass(kw_only=True)
+class Run(_Group):
+    """What the run is, how it is seeded, where it goes."""
+
+    recipe: str = _doc("named set of defaults: " + "|".join(("bbc-topics", "sotu-lm")), default="bbc-topics")
+    task: str = _doc("|".join(tasks.TASKS), default="classification")
+    seed: int = _doc("seed of the split, the batch order, the weights' initialisation and dropout", default=0)
+    output_dir: str | None = _doc("where everything goes (default: runs/<recipe>-<timestamp>)", default=None)
+    resume: bool = _doc("continue from the latest checkpoint in --output-dir", default=False)
+
+    def check(self) -> None:
+        self._choice("recipe", tuple(RECIPES))
+        self._choice("task", tasks.TASKS)
 
 
-def _positive_or_none(config: RunConfig, *names: str) -> None:
-    for name in names:
-        value = getattr(config, name)
-        _check(name, value, value is None or value > 0, "a positive integer")
+@dataclasses.dataclass(kw_only=True)
+class Data(_Group):
+    """The documents, their split and their batches."""
+
+    dataset: str = _doc("built-in name (bbc-news, sotu), a .csv/.json/.jsonl/.parquet file, a folder with one "
+                        "sub-folder of .txt files per label, or a hub id", default="bbc-news")
+    text_column: str | None = _doc("column holding the text (default: the dataset's own, else 'text')",
+                                   default=None)
+    label_column: str | None = _doc("column holding the label (default: the dataset's own, else 'label')",
+                                    default=None)
+    max_length: int = _doc("longest sequence in tokens; shorter batches are padded to a power-of-two bucket",
+                           default=128)
+    batch_size: int = _doc("sequences per micro-batch (every batch has exactly this many rows); with --mesh the "
+                           "global batch, over all devices and hosts", default=16)
+    eval_fraction: float = _doc("share of the documents held out for evaluation", default=0.2)
+    eval_batches: int | None = _doc("evaluate on at most this many batches of the held-out split "
+                                    "(always the same ones; default: all)", default=None)
+
+    def check(self) -> None:
+        self._positive("max_length", "batch_size")
+        self._positive_or_none("eval_batches")
+        self._require("eval_fraction", 0 < self.eval_fraction < 1, "a fraction in (0, 1)")
 
 
-@_component("run", "recipe", "task", "seed", "output_dir", "resume")
-def _check_run(config: RunConfig) -> None:
-    _check_choice("recipe", config.recipe, tuple(RECIPES))
-    _check_choice("task", config.task, tasks.TASKS)
+@dataclasses.dataclass(kw_only=True)
+class Model(_Group):
+    """The model, its attention and how it computes."""
+
+    name: str = _doc("built-in name (minilm, smollm2-135m), local folder, .gguf file or hub id", key="model",
+                     default="minilm")
+    attn: str = _doc("attention implementation: " + "|".join(ATTNS), default="torchattn")
+    backend: str = _doc("torchattn backend for --attn torchattn (auto picks by device)", default="auto")
+    bf16: bool = _doc("compute in bfloat16 (autocast; weights and optimizer stay float32)", default=False)
+    dropout: float | None = _doc("set every dropout probability of the model, attention dropout included",
+                                 default=None)
+    grad_checkpointing: bool = _doc("recompute each layer's activations in the backward pass (less memory)",
+                                    default=False)
+
+    def check(self) -> None:
+        self._choice("attn", ATTNS)
+        self._require("dropout", self.dropout is None or 0 <= self.dropout < 1, "a probability in [0, 1)")
 
 
-@_component("data", "dataset", "text_column", "label_column", "max_length", "batch_size", "eval_fraction",
-            "eval_batches")
-def _check_data(config: RunConfig) -> None:
-    _positive(config, "max_length", "batch_size")
-    _positive_or_none(config, "eval_batches")
-    _check("eval_fraction", config.eval_fraction, 0 < config.eval_fraction < 1, "a fraction in (0, 1)")
+@dataclasses.dataclass(kw_only=True)
+class Optimizer(_Group):
+    """AdamW, its learning-rate schedule and how many steps it takes."""
+
+    lr: float = _doc("peak learning rate (AdamW)", default=1e-4)
+    lr_schedule: str = _doc("decay after warm-up: linear|cosine", default="linear")
+    warmup: float = _doc("fraction of the optimizer steps spent warming the learning rate up", default=0.1)
+    weight_decay: float = _doc("AdamW weight decay", default=0.01)
+    max_grad_norm: float = _doc("clip the gradient norm to this (0: no clipping)", default=1.0)
+    grad_accum: int = _doc("micro-batches per optimizer step", default=1)
+    epochs: int = _doc("passes over the training split", default=2)
+    max_steps: int | None = _doc("stop after this many optimizer steps (overrides --epochs when reached first)",
+                                 default=None)
+
+    def check(self) -> None:
+        self._choice("lr_schedule", SCHEDULES)
+        self._positive("grad_accum", "epochs")
+        self._positive_or_none("max_steps")
+        self._require("lr", self.lr > 0, "a number > 0")
+        self._require("warmup", 0 <= self.warmup < 1, "a fraction in [0, 1)")
+        self._require("weight_decay", self.weight_decay >= 0, "a number >= 0")
+        self._require("max_grad_norm", self.max_grad_norm >= 0, "a number >= 0")
 
 
-@_component("model", "model", "attn", "backend", "bf16", "dropout", "grad_checkpointing")
-def _check_model(config: RunConfig) -> None:
-    _check_choice("attn", config.attn, ATTNS)
-    _check("dropout", config.dropout, config.dropout is None or 0 <= config.dropout < 1, "a probability in [0, 1)")
+@dataclasses.dataclass(kw_only=True)
+class Checkpoint(_Group):
+    """How often the run's state is written and how much of it is kept."""
+
+    save_steps: int = _doc("write a checkpoint every N optimizer steps (0: only at the end and on SIGTERM)",
+                           default=100)
+    keep_checkpoints: int = _doc("how many recent checkpoints to keep", default=2)
+
+    def check(self) -> None:
+        self._positive("keep_checkpoints")
+        self._require("save_steps", self.save_steps >= 0, "an integer >= 0")
 
 
-@_component("optimizer", "lr", "lr_schedule", "warmup", "weight_decay", "max_grad_norm", "grad_accum", "epochs",
-            "max_steps")
-def _check_optimizer(config: RunConfig) -> None:
-    _check_choice("lr-schedule", config.lr_schedule, SCHEDULES)
-    _positive(config, "grad_accum", "epochs")
-    _positive_or_none(config, "max_steps")
-    _check("lr", config.lr, config.lr > 0, "a number > 0")
-    _check("warmup", config.warmup, 0 <= config.warmup < 1, "a fraction in [0, 1)")
-    _check("weight_decay", config.weight_decay, config.weight_decay >= 0, "a number >= 0")
-    _check("max_grad_norm", config.max_grad_norm, config.max_grad_norm >= 0, "a number >= 0")
+@dataclasses.dataclass(kw_only=True)
+class Logging(_Group):
+    """What the run records besides checkpoints."""
+
+    log_steps: int = _doc("write a training record to metrics.jsonl every N optimizer steps", default=10)
+    profile: str | None = _doc("capture a torch_xla profile of a few steps after warm-up into this folder",
+                               default=None)
+
+    def check(self) -> None:
+        self._positive("log_steps")
 
 
-@_component("checkpoint", "save_steps", "keep_checkpoints")
-def _check_checkpoint(config: RunConfig) -> None:
-    _positive(config, "keep_checkpoints")
-    _check("save_steps", config.save_steps, config.save_steps >= 0, "an integer >= 0")
+@dataclasses.dataclass(kw_only=True)
+class CompileOnly(_Group):
+    """--compile-only: compile one training step for a TPU instead of training (train/compile_only.py)."""
+
+    topology: str | None = _doc("train nothing: compile one training step (forward, backward, optimizer) for "
+                                "this TPU topology (v5e, v6e, v5e:2x2, v4:2x2x1, ...; per chip of one replica) "
+                                "with libtpu's compiler on this machine, print HBM per chip for each attention "
+                                "implementation and length, and write it as CSV", key="compile_only", default=None)
+    lengths: str | None = _doc("sequence lengths --compile-only compiles, comma-separated (default: "
+                               "--max-length and the powers of two above it up to the model's position "
+                               f"limit, at most {MAX_COMPILE_LENGTH})", key="compile_lengths", default=None)
+    attn: str | None = _doc("attention implementations --compile-only compares, comma-separated "
+                            "(default: all of " + ",".join(ATTNS) + ")", key="compile_attn", default=None)
+    layers: str | None = _doc("two layer counts, e.g. 2,4: --compile-only compiles the model cut to each "
+                              "and extrapolates HBM linearly to its full depth (faster; marked as "
+                              "extrapolated)", key="compile_layers", default=None)
+    report: str | None = _doc("the CSV --compile-only writes (default: hbm-<topology>.csv in --output-dir)",
+                              key="compile_report", default=None)
+
+    def check(self) -> None:
+        if self.lengths is not None:
+            positive_ints("compile_lengths", self.lengths)
+        if self.layers is not None:
+            layers = positive_ints("compile_layers", self.layers)
+            self._require("layers", len(layers) == 2 and layers[0] != layers[1], "two different layer counts, e.g. 2,4")
+        if self.attn is not None:
+            for attn in self.attn.split(","):
+                self._require("attn", attn.strip() in ATTNS,
+                              "implementations from " + ", ".join(ATTNS) + " separated by commas")
 
 
-@_component("logging", "log_steps", "profile")
-def _check_logging(config: RunConfig) -> None:
-    _positive(config, "log_steps")
+@dataclasses.dataclass(kw_only=True)
+class Parallel(_Group):
+    """The devices the run trains on."""
+
+    mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
+                            "axes data, fsdp (batch and parameters) and model (attention heads), sizes "
+                            "multiplying to the device count; none: one device; auto: fsdp over every "
+                            "device when the process has several (one device if --batch-size is not a "
+                            "multiple of their count, or under accelerate launch --tpu)", default=AUTO_MESH)
+
+    def __post_init__(self):
+        if isinstance(self.mesh, str) and self.mesh.strip().lower() == "none":  # a config file's none, as the flag's
+            self.mesh = None
+
+    @property
+    def explicit(self) -> bool:
+        """A mesh given as axes, not decided by the devices (auto) nor one device (None)."""
+        return self.mesh not in (None, AUTO_MESH)
+
+    def check(self) -> None:
+        if self.explicit:
+            mesh_axes(self.mesh)
 
 
-@_component("compile_only", "compile_only", "compile_lengths", "compile_attn", "compile_layers", "compile_report")
-def _check_compile_only(config: RunConfig) -> None:
-    if config.compile_lengths is not None:
-        positive_ints("compile_lengths", config.compile_lengths)
-    if config.compile_layers is not None:
-        layers = positive_ints("compile_layers", config.compile_layers)
-        _check("compile_layers", config.compile_layers, len(layers) == 2 and layers[0] != layers[1],
-               "two different layer counts, e.g. 2,4")
-    if config.compile_attn is not None:
-        for attn in config.compile_attn.split(","):
-            _check("compile_attn", config.compile_attn, attn.strip() in ATTNS,
-                   "implementations from " + ", ".join(ATTNS) + " separated by commas")
+@dataclasses.dataclass(kw_only=True)
+class RunConfig:
+    """Everything a run depends on, one group per component (``config.data.max_length``,
+    ``config.optimizer.lr``). A recipe sets some fields; flags override any. The checks run on
+    construction."""
+
+    run: Run = dataclasses.field(default_factory=Run)
+    data: Data = dataclasses.field(default_factory=Data)
+    model: Model = dataclasses.field(default_factory=Model)
+    optimizer: Optimizer = dataclasses.field(default_factory=Optimizer)
+    checkpoint: Checkpoint = dataclasses.field(default_factory=Checkpoint)
+    logging: Logging = dataclasses.field(default_factory=Logging)
+    compile_only: CompileOnly = dataclasses.field(default_factory=CompileOnly)
+    parallel: Parallel = dataclasses.field(default_factory=Parallel)
+
+    def __post_init__(self):
+        # In this order, the first refusal being the one reported. --mesh with --compile-only is refused
+        # whatever the mesh, so before the mesh's own check; its batch split needs a valid --batch-size.
+        for group in (self.run, self.data, self.model, self.optimizer, self.checkpoint, self.logging,
+                      self.compile_only):
+            group.check()
+        if self.compile_only.topology is not None and self.parallel.explicit:
+            raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
+        self.parallel.check()
+        if self.parallel.explicit:
+            rows = batch_devices(mesh_axes(self.parallel.mesh))
+            _check("batch_size", self.data.batch_size, self.data.batch_size % rows == 0,
+                   f"a multiple of {rows} (the data x fsdp devices of --mesh {self.parallel.mesh})")
+
+    @classmethod
+    def from_flat(cls, values: dict[str, Any]) -> "RunConfig":
+        """The configuration from flat keys (FIELDS: the flags' names, config files' and config.json's keys);
+        the others keep their defaults. TypeError for a key that is none of them."""
+        unknown = [key for key in values if key not in FIELDS]
+        if unknown:
+            raise TypeError(f"RunConfig.from_flat: unknown keys {unknown}")
+        groups: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for key, value in values.items():
+            group, field = FIELDS[key]
+            groups[group][field.name] = value
+        return cls(**{name: GROUPS[name](**fields) for name, fields in groups.items()})
+
+    def to_flat(self) -> dict[str, Any]:
+        """Every field by its flat key, in FLAGS order: what config.json holds."""
+        return {key: getattr(getattr(self, group), field.name) for key, (group, field) in FIELDS.items()}
+
+    def with_output_dir(self) -> "RunConfig":
+        """This config with --output-dir resolved (runs/<recipe>-<timestamp> when not given)."""
+        if self.run.output_dir is not None:
+            return self
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        output_dir = os.path.join("runs", f"{self.run.recipe}-{stamp}")
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, output_dir=output_dir))
 
 
-@_component("parallel", "mesh")  # last: it reads --batch-size and --compile-only, checked before
-def _check_parallel(config: RunConfig) -> None:
-    if isinstance(config.mesh, str) and config.mesh.strip().lower() == "none":  # a config file's none, as the flag's
-        config.mesh = None
-    explicit_mesh = config.mesh not in (None, AUTO_MESH)
-    if config.compile_only is not None and explicit_mesh:
-        raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
-    if explicit_mesh:
-        rows = batch_devices(mesh_axes(config.mesh))
-        _check("batch_size", config.batch_size, config.batch_size % rows == 0,
-               f"a multiple of {rows} (the data x fsdp devices of --mesh {config.mesh})")
+GROUPS: dict[str, type[_Group]] = {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}
+# The flat keys in the command line's order, frozen: --help lists the flags and config.json writes the
+# keys in this order, which is not the groups'.
+FLAGS = ("recipe", "model", "dataset", "text_column", "label_column", "task", "max_length", "attn", "backend",
+         "batch_size", "grad_accum", "lr", "lr_schedule", "warmup", "weight_decay", "max_grad_norm", "epochs",
+         "max_steps", "bf16", "dropout", "grad_checkpointing", "seed", "eval_fraction", "eval_batches", "output_dir",
+         "log_steps", "save_steps", "keep_checkpoints", "resume", "profile", "mesh", "compile_only",
+         "compile_lengths", "compile_attn", "compile_layers", "compile_report")
+_BY_KEY = {_key(field): (group, field) for group, kind in GROUPS.items() for field in dataclasses.fields(kind)}
+FIELDS: dict[str, tuple[str, dataclasses.Field]] = {key: _BY_KEY[key] for key in FLAGS}  # key -> (group, field)
 
 
 def mesh_axes(text: str) -> dict[str, int]:
@@ -273,8 +363,6 @@ RECIPES: dict[str, dict[str, Any]] = {
                     lr=3e-5, epochs=1, eval_fraction=0.1, eval_batches=32, log_steps=1, save_steps=20),
 }
 
-FIELDS = {f.name: f for f in dataclasses.fields(RunConfig)}
-
 
 # ---------------------------------------------------------------------------
 # Values from flags and files
@@ -291,7 +379,7 @@ def _optional(field: dataclasses.Field) -> bool:
 
 def _from_text(name: str, text: str) -> Any:
     """A flag's string converted to its field's type."""
-    field = FIELDS[name]
+    field = FIELDS[name][1]
     kind = _type_of(field)
     if _optional(field) and text.lower() == "none":
         return None
@@ -304,7 +392,7 @@ def _from_text(name: str, text: str) -> Any:
 def _from_file_value(name: str, value: Any, path: str) -> Any:
     """A config file's value, checked against its field's type (ints are accepted for floats). A string
     for a number converts as its flag's text would: YAML 1.1 reads ``lr: 1e-3`` as the string "1e-3"."""
-    field = FIELDS[name]
+    field = FIELDS[name][1]
     kind = _type_of(field)
     if value is None and _optional(field):
         return None
@@ -374,7 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
                "configuration replaces defaults and recipe.",
         argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", metavar="FILE", help="TOML or YAML file with the same keys as the flags")
-    for name, field in FIELDS.items():
+    for name, (_, field) in FIELDS.items():
         by_recipe = "; ".join(f"{recipe}: {values[name]!r}" for recipe, values in RECIPES.items() if name in values)
         if by_recipe:
             help_text = f"{field.metadata['help']} ({by_recipe})"
@@ -396,7 +484,7 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
     """
     given = vars(build_parser().parse_args(argv))
     file_values = read_config_file(given.pop("config")) if "config" in given else {}
-    flag_values = {name: value if _type_of(FIELDS[name]) is bool else _from_text(name, value)
+    flag_values = {name: value if _type_of(FIELDS[name][1]) is bool else _from_text(name, value)
                    for name, value in given.items()}
     explicit = {**file_values, **flag_values}
     if explicit.get("resume"):
@@ -404,10 +492,10 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
         base = saved_config(explicit["output_dir"])
     else:
-        recipe = explicit.get("recipe", FIELDS["recipe"].default)
+        recipe = explicit.get("recipe", FIELDS["recipe"][1].default)
         _check_choice("recipe", recipe, tuple(RECIPES))
         base = dict(RECIPES[recipe], recipe=recipe)
-    return RunConfig(**{**base, **explicit})
+    return RunConfig.from_flat({**base, **explicit})
 
 
 CONFIG_FILE = "config.json"
@@ -438,15 +526,16 @@ def saved_config(output_dir: str) -> dict[str, Any]:
 
 
 def resume_changes(saved: dict[str, Any], config: RunConfig) -> dict[str, tuple[Any, Any]]:
-    """{field: (saved value, new value)} for each setting ``config`` changes from the saved run's.
+    """{flat key: (saved value, new value)} for each setting ``config`` changes from the saved run's.
 
     Raises ConfigError naming every change the checkpoint cannot serve: a FIXED_ON_RESUME field, or a
     mesh other than the run's own or one device (a sharded checkpoint loads into either; another
     layout is not checked here)."""
-    changes = {name: (saved[name], getattr(config, name)) for name in saved
-               if name not in ("output_dir", "resume") and saved[name] != getattr(config, name)}
+    values = config.to_flat()
+    changes = {name: (saved[name], values[name]) for name in saved
+               if name not in ("output_dir", "resume") and saved[name] != values[name]}
     refused = [name for name in changes if name in FIXED_ON_RESUME]
-    if "mesh" in changes and config.mesh is not None:
+    if "mesh" in changes and config.parallel.mesh is not None:
         refused.append("mesh")
     if refused:
         raise ConfigError("--resume: " + "; ".join(f"{_flag(name)} {changes[name][1]!r} differs from the run's "
@@ -460,4 +549,4 @@ def save_config(config: RunConfig, path: str) -> None:
     """Writes the resolved configuration as JSON (what --resume reads back), whole or not at all."""
     from .durable import write_text  # here: it imports torch, which parsing flags does not need
 
-    write_text(path, json.dumps(dataclasses.asdict(config), indent=2) + "\n")
+    write_text(path, json.dumps(config.to_flat(), indent=2) + "\n")

@@ -91,7 +91,7 @@ def seed_everything(seed: int, device) -> None:
 
 def autocast(config: RunConfig):
     """--bf16: compute in bfloat16 under autocast; weights, gradients and optimizer state stay float32."""
-    return torch.autocast("xla", dtype=torch.bfloat16, enabled=config.bf16)
+    return torch.autocast("xla", dtype=torch.bfloat16, enabled=config.model.bf16)
 
 
 def model_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
@@ -112,21 +112,21 @@ def micro_batch_gradients(model: torch.nn.Module, inputs: dict[str, torch.Tensor
     --grad-accum, are added to .grad. Returns the loss, detached (still on the device)."""
     with autocast(config):
         loss = model_outputs(model, inputs).loss
-    (loss / config.grad_accum).backward()
+    (loss / config.optimizer.grad_accum).backward()
     return loss.detach()
 
 
 def optimizer_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig,
                      spmd: Spmd | None = None) -> None:
     """The optimizer step after the micro-batches: clip, decay, AdamW, zero the gradients in place."""
-    if config.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    if config.weight_decay > 0:
+    if config.optimizer.max_grad_norm > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
+    if config.optimizer.weight_decay > 0:
         # AdamW's decoupled decay, w -= lr * wd * w, before its update as in torch's AdamW.
         # torch's AdamW multiplies by the Python float 1 - lr * wd instead: late in a
         # decaying schedule that is float32 1.0, which torch_xla puts into the graph as a
         # constant, so the step would compile again. A small alpha stays data.
-        decay = -optimizer.param_groups[0]["lr"] * config.weight_decay
+        decay = -optimizer.param_groups[0]["lr"] * config.optimizer.weight_decay
         with torch.no_grad():
             for parameter in model.parameters():
                 parameter.add_(parameter, alpha=decay)
@@ -164,11 +164,13 @@ class Trainer:
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
 
-        if config.resume and config.output_dir is None:
+        if config.run.resume and config.run.output_dir is None:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
-        mesh, self.mesh_note = resolve_mesh(config.mesh, config.batch_size)  # before anything touches the device
+        # Before anything touches the device.
+        mesh, self.mesh_note = resolve_mesh(config.parallel.mesh, config.data.batch_size)
         # Saved with the mesh decided, so --resume continues on the same one.
-        self.config = config = dataclasses.replace(config.with_output_dir(), mesh=mesh)
+        self.config = config = dataclasses.replace(config.with_output_dir(),
+                                                   parallel=dataclasses.replace(config.parallel, mesh=mesh))
         self.spmd: Spmd | None = None
         self.accelerator = None
         if mesh is None and launched_per_chip():
@@ -191,55 +193,56 @@ class Trainer:
             self.device = self.spmd.device
             self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
             self.is_main = self.spmd.host == 0
-        self.checkpointer = checkpoint.Checkpointer(config.output_dir, every=config.save_steps,
-                                                    keep=config.keep_checkpoints, writer=self.is_main,
+        self.checkpointer = checkpoint.Checkpointer(config.run.output_dir, every=config.checkpoint.save_steps,
+                                                    keep=config.checkpoint.keep_checkpoints, writer=self.is_main,
                                                     sharded=self.spmd is not None)
-        if self.is_main and os.path.isdir(config.output_dir):
+        if self.is_main and os.path.isdir(config.run.output_dir):
             self._take_lock()  # before its files are read: no other run writes them meanwhile
-        self._resume_changes = resume_changes(saved_config(config.output_dir), config) if config.resume else {}
+        self._resume_changes = resume_changes(saved_config(config.run.output_dir), config) if config.run.resume else {}
         self._resume_path = self._check_output_dir()
         self._stop_at_step = stop_at_step
         self._signal: int | None = None
-        seed_everything(config.seed, self.device)
+        seed_everything(config.run.seed, self.device)
 
         # --- data and model: every user input is checked here, before anything is written
-        splits = data.load_splits(config.dataset, task=config.task, text_column=config.text_column,
-                                  label_column=config.label_column, eval_fraction=config.eval_fraction,
-                                  seed=config.seed)
-        self.task = task = tasks.get(config.task)
+        splits = data.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
+                                  label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
+                                  seed=config.run.seed)
+        self.task = task = tasks.get(config.run.task)
         self.label_names = task.label_names(splits)
         self.model, self.tokenizer = models.load_model(
-            config.model, task=config.task, num_labels=len(self.label_names) if self.label_names else None,
-            attn=config.attn, backend=config.backend, dropout=config.dropout, label_names=self.label_names,
-            grad_checkpointing=config.grad_checkpointing)
+            config.model.name, task=config.run.task, num_labels=len(self.label_names) if self.label_names else None,
+            attn=config.model.attn, backend=config.model.backend, dropout=config.model.dropout,
+            label_names=self.label_names, grad_checkpointing=config.model.grad_checkpointing)
         limit = models.max_positions(self.model.config)
-        if limit is not None and config.max_length > limit:
-            raise ConfigError(f"--max-length: expected at most {limit} (the position limit of {config.model}), "
-                              f"got {config.max_length}")
-        tokenized = task.tokenize(splits, self.tokenizer, config.max_length)
+        if limit is not None and config.data.max_length > limit:
+            raise ConfigError(f"--max-length: expected at most {limit} (the position limit of {config.model.name}), "
+                              f"got {config.data.max_length}")
+        tokenized = task.tokenize(splits, self.tokenizer, config.data.max_length)
         host, hosts = self.spmd.part if self.spmd else (0, 1)
         # The task's batch lengths: packed rows of exactly max_length, or documents padded to a bucket.
-        loader = dict(batch_size=config.batch_size, buckets=task.lengths(config.max_length),
-                      pad_id=self.tokenizer.pad_token_id, seed=config.seed, host=host, hosts=hosts)
+        loader = dict(batch_size=config.data.batch_size, buckets=task.lengths(config.data.max_length),
+                      pad_id=self.tokenizer.pad_token_id, seed=config.run.seed, host=host, hosts=hosts)
         self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
         # --eval-batches: a fixed sample of that many batches' rows, stratified by label (data.eval_subset).
-        evaluated = None if config.eval_batches is None else config.eval_batches * config.batch_size
-        self.eval_loader = data.BatchLoader(data.eval_subset(tokenized["eval"], evaluated, config.seed),
+        evaluated = None if config.data.eval_batches is None else config.data.eval_batches * config.data.batch_size
+        self.eval_loader = data.BatchLoader(data.eval_subset(tokenized["eval"], evaluated, config.run.seed),
                                             shuffle=False, drop_last=False, **loader)
         if len(self.train_loader) == 0:
-            raise ConfigError(f"--batch-size: {config.batch_size} is more than the {len(tokenized['train'])} "
+            raise ConfigError(f"--batch-size: {config.data.batch_size} is more than the {len(tokenized['train'])} "
                               "training rows: no full batch")
         # Each process takes every world-th batch; an optimizer step uses grad_accum of them per process.
-        self.total_steps = config.epochs * (len(self.train_loader) // (config.grad_accum * self.world))
-        if config.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.max_steps)
+        steps_per_epoch = len(self.train_loader) // (config.optimizer.grad_accum * self.world)
+        self.total_steps = config.optimizer.epochs * steps_per_epoch
+        if config.optimizer.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.optimizer.max_steps)
         if self.total_steps == 0:
-            raise ConfigError(f"--grad-accum: {config.grad_accum} micro-batches per step (times {self.world} "
+            raise ConfigError(f"--grad-accum: {config.optimizer.grad_accum} micro-batches per step (times {self.world} "
                               f"processes) is more than the {len(self.train_loader)} batches of an epoch")
 
         # --- device, optimizer, schedule
         # Weight decay is applied by _optimizer_step itself (see there), so AdamW gets 0.
-        adamw = functools.partial(torch.optim.AdamW, lr=config.lr, weight_decay=0.0)
+        adamw = functools.partial(torch.optim.AdamW, lr=config.optimizer.lr, weight_decay=0.0)
         # The model goes to the device (sharded under a mesh) before the optimizer takes its parameters:
         # moving them replaces them.
         if self.accelerator is not None:
@@ -248,9 +251,9 @@ class Trainer:
         else:
             self.model = self.spmd.shard_model(self.model) if self.spmd else self.model.to(self.device)
             self.optimizer = adamw(self.model.parameters())
-        warmup_steps = int(config.warmup * self.total_steps)
+        warmup_steps = int(config.optimizer.warmup * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
-            step, warmup_steps=warmup_steps, total_steps=self.total_steps, schedule=config.lr_schedule))
+            step, warmup_steps=warmup_steps, total_steps=self.total_steps, schedule=config.optimizer.lr_schedule))
         self.position = Position()
 
         self.compiles = CompileWatch()
@@ -261,9 +264,9 @@ class Trainer:
         self._sync("zero_grad", self._zero_grads)
 
         # --- output folder: only now, after every check passed
-        self.metrics = metrics.MetricsFile(config.output_dir, writer=self.is_main)
+        self.metrics = metrics.MetricsFile(config.run.output_dir, writer=self.is_main)
         if self.is_main and self._lock is None:
-            os.makedirs(config.output_dir, exist_ok=True)
+            os.makedirs(config.run.output_dir, exist_ok=True)
             self._take_lock()
         if self._resume_path is not None:
             self._resume_path, state = self._load_newest_intact()
@@ -272,7 +275,7 @@ class Trainer:
             if self.is_main:
                 self.metrics.truncate_after(self.position.step)
         if self.is_main:  # a resume rewrites the run's configuration only once its checkpoint loaded
-            save_config(config, os.path.join(config.output_dir, CONFIG_FILE))
+            save_config(config, os.path.join(config.run.output_dir, CONFIG_FILE))
         self.memory = MemoryWatch(self.device)
         self.display = metrics.Progress(self.total_steps, quiet=not self.is_main)
         self._step_times: list[tuple[float, int]] = []  # (seconds, tokens) of steps after warm-up
@@ -285,7 +288,7 @@ class Trainer:
 
     def _take_lock(self) -> None:
         try:
-            self._lock = RunLock(self.config.output_dir)
+            self._lock = RunLock(self.config.run.output_dir)
         except LockedError as error:
             raise ConfigError(str(error)) from None
         if self._lock.previous is not None:
@@ -300,7 +303,7 @@ class Trainer:
     def _apply_lr(self) -> None:
         """A resume with another --lr: the restored schedule continues from this step with the new peak
         (the scheduler's state holds the old one)."""
-        lr = self.config.lr
+        lr = self.config.optimizer.lr
         if self.scheduler.base_lrs != [lr] * len(self.scheduler.base_lrs):
             self.scheduler.base_lrs = [lr] * len(self.scheduler.base_lrs)
             factors = [factor(self.scheduler.last_epoch) for factor in self.scheduler.lr_lambdas]
@@ -310,13 +313,13 @@ class Trainer:
     def _check_output_dir(self) -> str | None:
         """The checkpoint to resume from; refuses a folder holding another run's checkpoints."""
         latest = self.checkpointer.latest()
-        if self.config.resume:
+        if self.config.run.resume:
             if latest is None:
-                raise ConfigError(f"--resume: nothing to resume in {self.config.output_dir} "
+                raise ConfigError(f"--resume: nothing to resume in {self.config.run.output_dir} "
                                   f"(no {checkpoint.DIRECTORY}/step-*)")
             return latest
         if latest is not None:
-            raise ConfigError(f"--output-dir: {self.config.output_dir} holds another run's checkpoints "
+            raise ConfigError(f"--output-dir: {self.config.run.output_dir} holds another run's checkpoints "
                               f"({os.path.basename(latest)}); add --resume to continue it or pick another folder")
         return None
 
@@ -402,7 +405,7 @@ class Trainer:
         tokens, compiled = 0, 0
         started = time.perf_counter()
         # Only the batches the remaining steps take: a parallel loader reading ahead then ends with them.
-        needed = (self.total_steps - self.position.step) * config.grad_accum * self.world
+        needed = (self.total_steps - self.position.step) * config.optimizer.grad_accum * self.world
         batches = itertools.islice(self.train_loader.epoch(self.position.epoch, start=self.position.batch), needed)
         for index, (batch, inputs) in enumerate(self._placed(batches), start=self.position.batch):
             self.position.batch = index + 1
@@ -412,7 +415,7 @@ class Trainer:
             loss, new = self._micro_step(inputs)
             micro_losses.append(loss)
             compiled += new
-            if len(micro_losses) < config.grad_accum:
+            if len(micro_losses) < config.optimizer.grad_accum:
                 continue
             lr = self.optimizer.param_groups[0]["lr"]  # this step's, before the scheduler moves it
             compiled += self._optimizer_step()
@@ -490,7 +493,7 @@ class Trainer:
         if self._stop_at_step == step and self._signal is None:
             self._signal = signal.SIGTERM
         stop = self._signal  # a signal arriving from here on is handled after the next step
-        logged = step % config.log_steps == 0 or step == self.total_steps
+        logged = step % config.logging.log_steps == 0 or step == self.total_steps
         saving = stop is not None or self.checkpointer.due(step) or step == self.total_steps
         loss = None
         if logged or saving:  # the loss reaches the host only here: no extra sync on other steps
@@ -528,7 +531,7 @@ class Trainer:
                       "checkpoint are lost. " + self._where_to_resume())
 
     def _resume_command(self) -> str:
-        return shlex.join(["python", "-m", "train", "--output-dir", self.config.output_dir, "--resume"])
+        return shlex.join(["python", "-m", "train", "--output-dir", self.config.run.output_dir, "--resume"])
 
     def _where_to_resume(self) -> str:
         """Which checkpoint a resume would start from, and the command."""
@@ -539,18 +542,19 @@ class Trainer:
 
     def _profile(self, step: int, compiled: int) -> None:
         """--profile: a torch_xla trace of PROFILE_STEPS steps, from the first step that compiled nothing."""
-        if not self.config.profile or self._profile_end == -1:
+        if not self.config.logging.profile or self._profile_end == -1:
             return
         import torch_xla.debug.profiler as xp
 
         if self._profile_end is None and not compiled:
-            os.makedirs(self.config.profile, exist_ok=True)
-            xp.start_trace(self.config.profile)
+            os.makedirs(self.config.logging.profile, exist_ok=True)
+            xp.start_trace(self.config.logging.profile)
             self._profile_end = step + PROFILE_STEPS
         elif self._profile_end is not None and step >= self._profile_end:
             xp.stop_trace()
             self._profile_end = -1  # done
-            self.display.line(f"profile of steps {step - PROFILE_STEPS + 1}-{step} written to {self.config.profile}")
+            self.display.line(f"profile of steps {step - PROFILE_STEPS + 1}-{step} written to "
+                              f"{self.config.logging.profile}")
 
     # ------------------------------------------------------------------
     # Evaluation
@@ -583,14 +587,14 @@ class Trainer:
         from .models import cpu_state, save_model
 
         config = self.config
-        model_dir = os.path.join(config.output_dir, "model")
+        model_dir = os.path.join(config.run.output_dir, "model")
         records = self.metrics.read()
         model = self.accelerator.unwrap_model(self.model) if self.accelerator else self.model
         # Under --mesh every host takes part in copying the sharded weights to the CPU (a collective).
         state = cpu_state(model) if self.spmd or self.is_main else None
         if self.is_main:
             save_model(model, self.tokenizer, model_dir, state)
-            metrics.plot_loss(records, os.path.join(config.output_dir, metrics.PLOT_FILE), self.task.plot_eval)
+            metrics.plot_loss(records, os.path.join(config.run.output_dir, metrics.PLOT_FILE), self.task.plot_eval)
         seconds = sum(t for t, _ in self._step_times)
         summary = {name: value for name, value in self._final_eval.items() if name not in ("step", "eval")}
         first_eval = next((r for r in records if r.get("eval")), None)
@@ -618,7 +622,7 @@ class Trainer:
         """Releases what train() may have left open (a profile trace), leaves the run's contexts and
         frees the output folder for the next run."""
         self._contexts.close()
-        if self.config.profile and self._profile_end not in (None, -1):
+        if self.config.logging.profile and self._profile_end not in (None, -1):
             import torch_xla.debug.profiler as xp
 
             xp.stop_trace()

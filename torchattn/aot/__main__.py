@@ -4,9 +4,13 @@
         --seq-len 8192 --head-dim 128 --causal --dtype bfloat16
 
 compiles the forward, dq and dk/dv kernels with libtpu's compiler and prints one row
-per kernel: block sizes, compile time, VMEM, HBM per call, FLOPs. Exit status 0 when
-every kernel compiles, 1 when one does not fit or compile (the reason, one line, on
-stderr), 2 for bad arguments.
+per kernel: block sizes, compile time, VMEM, HBM per call, FLOPs. With --schedule it
+prints instead what libtpu's own VLIW schedule of each kernel says (torchattn.aot.schedule):
+bundles per grid step (every-step work, and the once-per-row-of-tiles init/finalize),
+MXU-busy bundles, the unit that bounds the step, estimated time per call and fraction of
+peak. These are compiler estimates, not TPU timings. Exit status 0 when every kernel
+compiles, 1 when one does not fit or compile (the reason, one line, on stderr), 2 for
+bad arguments.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 from .. import api, generations
 from ..block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
+from . import schedule
 from .attention import BIAS_KINDS, Attention, compile_attention
 
 MiB = 1 << 20
@@ -29,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generation", required=True, choices=[*generations.GENERATIONS, "all"],
                         help="TPU generation to compile for; 'all' compiles for each")
+    parser.add_argument("--schedule", action="store_true",
+                        help="report each kernel's compiled schedule and the time it estimates (not a TPU timing)")
     shape = parser.add_argument_group("shapes")
     shape.add_argument("--batch", type=_positive_int(), default=1)
     shape.add_argument("--q-heads", type=_positive_int(), required=True)
@@ -152,6 +159,20 @@ def rows(generation: str, blocks: BlockSizes, estimates: dict[str, int], compile
     return out
 
 
+def schedule_rows(generation: str, blocks: BlockSizes, estimates: list) -> list[list[str]]:
+    """One table row per kernel's schedule estimate (torchattn.aot.schedule.Estimate)."""
+    forward, backward = (blocks.block_q, blocks.block_kv), (blocks.block_q_bwd, blocks.block_kv_bwd)
+    return [[generation, e.name, *map(str, forward if e.name == "forward" else backward), str(e.step_bundles),
+             str(e.once_per_row_bundles), str(e.mxu_bundles), e.bound_unit, f"{e.seconds * 1e6:.1f}",
+             f"{e.fraction_of_peak:.3f}"] for e in estimates]
+
+
+SCHEDULE_HEADER = ["generation", "kernel", "block_q", "block_kv", "step_bundles", "once_per_row_bundles",
+                   "mxu_bundles", "bound_unit", "est_us", "est_frac_peak"]
+SCHEDULE_NOTE = ("Compiler estimates from libtpu's static schedule (bundles per grid step; time = visible steps x "
+                 "max(step bundles / clock, step DMA / HBM bandwidth) + rows x once-per-row bundles / clock), "
+                 "not TPU timings.")
+
 HEADER = ["generation", "kernel", "block_q", "block_kv", "compile_s", "vmem_limit_MiB", "vmem_est_MiB",
           "hbm_args_MiB", "hbm_out_MiB", "hbm_temp_MiB", "GFLOP"]
 
@@ -171,19 +192,27 @@ def first_line(error: Exception) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.schedule:  # libtpu reads its dump flag when it loads, so before anything compiles
+        schedule.enable_dump()
     attention = attention_from(args)
     names = list(generations.GENERATIONS) if args.generation == "all" else [args.generation]
     body, failures = [], []
     for generation in names:
         blocks = block_sizes(args, attention, generation)
         try:
-            body += rows(generation, blocks, vmem.needs(attention.vmem_operands(), blocks),
-                         compile_attention(attention, generation, blocks))
+            if args.schedule:
+                body += schedule_rows(generation, blocks, schedule.measure(
+                    schedule.torchattn_kernels(attention, generation, blocks), generation))
+            else:
+                body += rows(generation, blocks, vmem.needs(attention.vmem_operands(), blocks),
+                             compile_attention(attention, generation, blocks))
         except (RuntimeError, ValueError) as error:  # XlaRuntimeError is a RuntimeError
             failures.append(f"torchattn.aot: {generation} with {blocks} does not compile: {first_line(error)}")
     if body:
         print(describe(attention))
-        print(format_table(HEADER, body))
+        if args.schedule:
+            print(SCHEDULE_NOTE)
+        print(format_table(SCHEDULE_HEADER if args.schedule else HEADER, body))
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0

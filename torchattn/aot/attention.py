@@ -89,6 +89,14 @@ def compile_attention(attention: Attention, generation: str,
     generation's VMEM; otherwise what the compiler raises (e.g. ``RESOURCE_EXHAUSTED``
     when the arrays do not fit in HBM).
     """
+    return [compile_jax(fn, structs, generation, name)
+            for name, fn, structs, _ in kernel_functions(attention, generation, block_sizes)]
+
+
+def kernel_functions(attention: Attention, generation: str,
+                     block_sizes: BlockSizes | None = None) -> list[tuple]:
+    """(name, jax function, argument structs, KernelSpec) of the forward, dq and dk/dv kernels, block
+    sizes as :func:`compile_attention` takes them (and refused as it refuses them)."""
     from ..kernels.backward import dkv_call, dq_call
     from ..kernels.forward import forward_call
 
@@ -99,6 +107,6 @@ def compile_attention(attention: Attention, generation: str,
     fwd_spec, bwd_spec = attention.specs(blocks, generation)
     fwd_args, _ = argument_structs(fwd_spec)
     _, bwd_args = argument_structs(bwd_spec)
-    return [compile_jax(forward_call(fwd_spec), fwd_args, generation, "forward"),
-            compile_jax(dq_call(bwd_spec, bwd_spec.score_grad), bwd_args, generation, "backward_dq"),
-            compile_jax(dkv_call(bwd_spec), bwd_args, generation, "backward_dkv")]
+    return [("forward", forward_call(fwd_spec), fwd_args, fwd_spec),
+            ("backward_dq", dq_call(bwd_spec, bwd_spec.score_grad), bwd_args, bwd_spec),
+            ("backward_dkv", dkv_call(bwd_spec), bwd_args, bwd_spec)]

@@ -1,0 +1,238 @@
+"""torchattn's kernels against JAX's own TPU attention kernels, by the compiler's schedule: CSV and PNG per generation.
+
+    .venv/bin/python scripts/bench_schedule.py                        # the grid below: docs/bench/schedule-<gen>.*
+    .venv/bin/python scripts/bench_schedule.py --generation v5e --quick --out-dir /tmp/schedule
+    .venv/bin/python scripts/bench_schedule.py --generation v5e --blocks 512 --quick
+
+Each configuration's kernels are compiled for the generation with libtpu's compile-only client and
+read by ``torchattn.aot.schedule.measure``: estimated seconds per call from the VLIW schedule (an
+estimate from the compiler's static schedule, never a TPU timing). Implementations, at the same
+shapes and the same blocks: torchattn (forward, dq, dk/dv), splash attention with its split
+backward (dq, dk/dv) and with its fused backward (plus the XLA sum of its dq partials), and JAX's
+older flash_attention where it has the features (MHA only, no window or softcap). Batch 1, bfloat16.
+
+Grid: v5e and v6e: head_dim 64, 128, 256; causal and not; with and without packed segment ids;
+2048, 8192 and 32768 tokens; 32 query heads over 8 kv heads, and MHA (32 and 32). v4 and v5p:
+head_dim 128, 8192 tokens, 32/8 heads, causal and not. ``--quick``: 2048 tokens, head_dim 128, MHA
+not causal and GQA causal with segment ids. Blocks: each generation's defaults
+(``BlockSizes.default``) unless ``--blocks``.
+
+A CSV row is one (configuration, implementation): status ("ok", "unsupported: ...", "failed:
+..."), estimated seconds of forward, backward and both, per kernel its seconds and bundles per
+grid step, the bundles of the small XLA ops (broadcasts of segment ids, slices) the kernels'
+compiles also wrote (not in the seconds), and on torchattn's rows the ratio torchattn / best JAX
+kernel (forward, backward, fwd+bwd: the fastest JAX implementation of each). The PNG plots the
+estimated times and the three ratios per configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import itertools
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused", "flash")
+BACKWARD_KERNELS = ("backward_dq", "backward_dkv", "backward_fused", "dq_reduction")
+FULL_GRID = ("v5e", "v6e")
+GENERATION_NAMES = ("v5e", "v6e", "v4", "v5p")
+FIELDS = ("generation", "q_heads", "kv_heads", "seq_len", "head_dim", "causal", "segments", "block_q", "block_kv",
+          "block_q_bwd", "block_kv_bwd", "implementation", "status", "forward_s", "backward_s", "fwd_bwd_s",
+          "forward_fraction_of_peak", "forward_bound_unit", "forward_step_bundles",
+          *(f"{kernel}_{what}" for kernel in BACKWARD_KERNELS for what in ("s", "step_bundles")),
+          "other_xla_ops_bundles", "ratio_forward", "ratio_backward", "ratio_fwd_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    generation: str
+    q_heads: int
+    kv_heads: int
+    seq_len: int
+    head_dim: int
+    causal: bool
+    segments: bool
+
+    def label(self) -> str:
+        heads = "mha" if self.q_heads == self.kv_heads else f"{self.q_heads}/{self.kv_heads}"
+        return (f"d{self.head_dim} {self.seq_len // 1024}k {heads}" + " causal" * self.causal
+                + " seg" * self.segments)
+
+
+def grid(generation: str, quick: bool) -> list[Config]:
+    """The configurations of ``generation`` (see the module docstring)."""
+    if quick:
+        return [Config(generation, 32, 32, 2048, 128, False, False), Config(generation, 32, 8, 2048, 128, True, True)]
+    if generation not in FULL_GRID:
+        return [Config(generation, 32, 8, 8192, 128, causal, False) for causal in (False, True)]
+    return [Config(generation, q_heads, kv_heads, seq_len, head_dim, causal, segments)
+            for head_dim, seq_len, (q_heads, kv_heads), causal, segments in itertools.product(
+                (64, 128, 256), (2048, 8192, 32768), ((32, 8), (32, 32)), (False, True), (False, True))]
+
+
+def builders(attention, generation: str, blocks) -> dict:
+    """implementation -> a function building its schedule.Kernels (raises ValueError when unsupported)."""
+    from torchattn.aot import jax_kernels, schedule
+
+    return {"torchattn": lambda: schedule.torchattn_kernels(attention, generation, blocks),
+            "splash": lambda: jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=False),
+            "splash-fused": lambda: jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
+            "flash": lambda: jax_kernels.flash_kernels(attention, generation, blocks)}
+
+
+def measure_config(config: Config, blocks_flag) -> list[dict]:
+    """One row per implementation for ``config``."""
+    from torchattn.aot import Attention, schedule
+
+    attention = Attention(batch=1, q_heads=config.q_heads, kv_heads=config.kv_heads, q_len=config.seq_len,
+                          kv_len=config.seq_len, head_dim=config.head_dim, causal=config.causal,
+                          segments=config.segments)
+    blocks = blocks_flag or attention.default_block_sizes(config.generation)
+    base = {**dataclasses.asdict(config), **dataclasses.asdict(blocks.clamped(config.seq_len, config.seq_len))}
+    rows = []
+    for implementation, build in builders(attention, config.generation, blocks).items():
+        row = {**base, "implementation": implementation}
+        try:
+            kernels = build()
+        except ValueError as error:  # a feature or shape this kernel does not have
+            rows.append({**row, "status": f"unsupported: {error}"})
+            continue
+        try:
+            estimates = schedule.measure(kernels, config.generation)
+        except (RuntimeError, ValueError, NotImplementedError) as error:  # compile errors, VMEM, Mosaic refusals
+            rows.append({**row, "status": f"failed: {_first_line(error)}"})
+            continue
+        rows.append({**row, **_times(estimates), "status": "ok"})
+    return _with_ratios(rows)
+
+
+def _times(estimates) -> dict:
+    forward = next(e for e in estimates if e.name == "forward")
+    backward = [e for e in estimates if e.name != "forward"]
+    seconds = sum(e.seconds for e in backward)
+    return {**{f"{e.name}_s": e.seconds for e in backward},
+            **{f"{e.name}_step_bundles": e.step_bundles for e in estimates},
+            "forward_s": forward.seconds, "backward_s": seconds, "fwd_bwd_s": forward.seconds + seconds,
+            "forward_fraction_of_peak": forward.fraction_of_peak, "forward_bound_unit": forward.bound_unit,
+            "other_xla_ops_bundles": sum(sum(e.other_programs.values()) for e in estimates)}
+
+
+def _with_ratios(rows: list[dict]) -> list[dict]:
+    """torchattn's row gets torchattn / the fastest JAX implementation, per part."""
+    ours = next(row for row in rows if row["implementation"] == "torchattn")
+    theirs = [row for row in rows if row["implementation"] != "torchattn" and row["status"] == "ok"]
+    if ours["status"] == "ok" and theirs:
+        for part in ("forward", "backward", "fwd_bwd"):
+            ours[f"ratio_{part}"] = ours[f"{part}_s"] / min(row[f"{part}_s"] for row in theirs)
+    return rows
+
+
+def _first_line(error: Exception) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(error).__name__
+
+
+def write(rows: list[dict], generation: str, out_dir: str) -> tuple[str, str]:
+    """schedule-<generation>.csv and .png in ``out_dir``, each whole or not at all."""
+    from train import durable
+
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({name: _cell(row.get(name)) for name in FIELDS} for row in rows)
+    stem = os.path.join(out_dir, f"schedule-{generation}")
+    durable.write_text(f"{stem}.csv", text.getvalue())
+    durable.write_file(f"{stem}.png", lambda f: plot(rows, generation).savefig(f, format="png", dpi=110))
+    return f"{stem}.csv", f"{stem}.png"
+
+
+def _cell(value):
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def plot(rows: list[dict], generation: str):
+    """Estimated time per implementation (forward, backward, fwd+bwd) and torchattn / best JAX, per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(dict.fromkeys(_label(row) for row in rows))
+    x = range(len(labels))
+    figure, axes = plt.subplots(4, 1, figsize=(max(8.0, 0.22 * len(labels) + 3), 13), sharex=True)
+    for ax, part in zip(axes, ("forward", "backward", "fwd_bwd")):
+        for implementation in IMPLEMENTATIONS:
+            seconds = {_label(row): row[f"{part}_s"] for row in rows
+                       if row["implementation"] == implementation and row["status"] == "ok"}
+            ax.plot(x, [seconds.get(label, float("nan")) * 1e3 for label in labels], marker="o", markersize=3,
+                    linestyle="none", label=implementation)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{part.replace('_', '+')} ms (estimate)")
+        ax.legend(fontsize=7, ncol=4)
+    ours = {_label(row): row for row in rows if row["implementation"] == "torchattn"}
+    for part in ("forward", "backward", "fwd_bwd"):
+        axes[3].plot(x, [ours[label].get(f"ratio_{part}", float("nan")) if label in ours else float("nan")
+                         for label in labels], marker="o", markersize=3, label=part.replace("_", "+"))
+    axes[3].axhline(1.0, color="gray", linewidth=0.8)
+    axes[3].set_ylabel("torchattn / best JAX")
+    axes[3].legend(fontsize=7)
+    axes[3].set_xticks(list(x), labels, rotation=90, fontsize=6)
+    axes[0].set_title(f"{generation}: estimated time from libtpu 0.0.21's schedule (batch 1, bfloat16; not a timing)")
+    figure.tight_layout()
+    return figure
+
+
+def _label(row: dict) -> str:
+    return Config(*(row[name] for name in ("generation", "q_heads", "kv_heads", "seq_len", "head_dim", "causal",
+                                           "segments"))).label()
+
+
+def _blocks(text: str):
+    """--blocks: one size for all four, or BQ,BKV,BQ_BWD,BKV_BWD."""
+    from torchattn.block_sizes import BlockSizes
+
+    sizes = text.split(",")
+    if len(sizes) not in (1, 4) or not all(size.isdecimal() for size in sizes):
+        raise argparse.ArgumentTypeError(f"expected N or BQ,BKV,BQ_BWD,BKV_BWD (positive integers), got {text!r}")
+    try:
+        return BlockSizes(*[int(size) for size in sizes * (4 // len(sizes))])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, ROOT)  # this checkout's torchattn, not an installed one
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generation", nargs="+", choices=GENERATION_NAMES, default=list(GENERATION_NAMES),
+                        help="generations to compile for (default: all four; v4 and v5p have a few rows)")
+    parser.add_argument("--quick", action="store_true", help="two configurations per generation")
+    parser.add_argument("--blocks", type=_blocks, help="the same blocks for every configuration (default: each "
+                                                       "generation's defaults)")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
+    args = parser.parse_args(argv)
+
+    from torchattn.aot import schedule
+
+    schedule.enable_dump()  # before anything loads libtpu: it reads the flag once
+    for generation in args.generation:
+        configs, rows = grid(generation, args.quick), []
+        for number, config in enumerate(configs, 1):
+            start = time.perf_counter()
+            measured = measure_config(config, args.blocks)
+            rows += measured
+            summary = "; ".join(f"{row['implementation']} " + (f"{row['fwd_bwd_s'] * 1e3:.3g} ms fwd+bwd"
+                                                               if row["status"] == "ok" else row["status"][:70])
+                                for row in measured)
+            print(f"[{generation} {number}/{len(configs)}] {config.label()}: {summary} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+        print("wrote", *write(rows, generation, args.out_dir), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

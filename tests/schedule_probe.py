@@ -1,0 +1,99 @@
+"""Probe kernels compiled with libtpu's schedule dump; run by tests/test_aot_schedule.py in its own process.
+
+    python tests/schedule_probe.py OUT.json
+
+libtpu reads ``--xla_jf_dump_to`` once, when it loads, so the schedule is read in a process that
+sets it first (``torchattn.aot.schedule.enable_dump``). Everything is compiled for v5e. Writes
+each probe's estimates (and the Kernel fields they were estimated with) as JSON; the test
+makes the assertions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+from torchattn.aot import schedule
+
+schedule.enable_dump()
+
+import jax  # noqa: E402  (after the dump flag: jax must not load libtpu before it is set)
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import tpu as pltpu  # noqa: E402
+
+from torchattn.aot import Attention  # noqa: E402
+from torchattn.block_sizes import BlockSizes  # noqa: E402
+
+GENERATION = "v5e"
+
+
+def once_per_row_kernel(rows: int, steps: int, init_rounds: int) -> schedule.Kernel:
+    """grid (rows, steps): every step adds a (256, 128) float32 block into a scratch; at the row's first
+    step (``pl.when(j == 0)``) the scratch starts from ``init_rounds`` rounds of exp over the block
+    (0 rounds: from zero); at its last the scratch is written out."""
+    def body(x_ref, o_ref, acc_ref):
+        j = pl.program_id(1)
+
+        @pl.when(j == 0)
+        def _init():
+            value = jnp.zeros_like(acc_ref)
+            for _ in range(init_rounds):
+                value = jnp.exp(value - x_ref[...])
+            acc_ref[...] = value
+
+        acc_ref[...] += x_ref[...]
+
+        @pl.when(j == steps - 1)
+        def _finish():
+            o_ref[...] = acc_ref[...]
+
+    call = pl.pallas_call(body, grid=(rows, steps), out_shape=jax.ShapeDtypeStruct((rows * 256, 128), jnp.float32),
+                          in_specs=[pl.BlockSpec((256, 128), lambda i, j: (i, j))],
+                          out_specs=pl.BlockSpec((256, 128), lambda i, j: (i, 0)),
+                          scratch_shapes=[pltpu.VMEM((256, 128), jnp.float32)],
+                          compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")))
+    return schedule.Kernel(name=f"once_per_row_{init_rounds}", fn=call,
+                           structs=(jax.ShapeDtypeStruct((rows * 256, steps * 128), jnp.float32),),
+                           grid=(rows, steps), visible_steps=rows * steps, rows=rows,
+                           dma_bytes_per_step=256 * 128 * 4, useful_flops=0.0)
+
+
+def forward(seq_len: int, block_kv: int, causal: bool) -> schedule.Kernel:
+    attention = Attention(batch=1, q_heads=8, kv_heads=8, q_len=seq_len, kv_len=seq_len, head_dim=128,
+                          causal=causal)
+    return schedule.torchattn_kernels(attention, GENERATION, BlockSizes(512, block_kv, 512, 512))[0]
+
+
+def described(kernel: schedule.Kernel, estimate: schedule.Estimate) -> dict:
+    fields = {name: getattr(kernel, name) for name in ("grid", "visible_steps", "rows", "dma_bytes_per_step")}
+    return {**fields, **dataclasses.asdict(estimate)}
+
+
+def main(out_path: str) -> None:
+    probes = {"matmul_512x128x512": schedule.matmul_kernel(512, 128, 512, 4),
+              "matmul_512x128x1024": schedule.matmul_kernel(512, 128, 1024, 4),
+              "matmul_512x1024x1024": schedule.matmul_kernel(512, 1024, 1024, 4),
+              "forward_kv256": forward(2048, 256, causal=False),
+              "forward_kv512": forward(2048, 512, causal=False),
+              "causal_2048": forward(2048, 512, causal=True),
+              "causal_4096": forward(4096, 512, causal=True),
+              "once_small": once_per_row_kernel(rows=4, steps=4, init_rounds=0),
+              "once_large": once_per_row_kernel(rows=4, steps=4, init_rounds=24),
+              "once_large_8_rows": once_per_row_kernel(rows=8, steps=4, init_rounds=24)}
+    estimates = schedule.measure(list(probes.values()), GENERATION)
+    out = {name: described(kernel, estimate) for (name, kernel), estimate in zip(probes.items(), estimates)}
+    # libtpu is loaded now; without the flag in the environment a further measure is refused.
+    os.environ.pop("LIBTPU_INIT_ARGS")
+    try:
+        schedule.enable_dump()
+    except RuntimeError as error:
+        out["refusal"] = str(error)
+    with open(out_path, "w") as f:
+        json.dump(out, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

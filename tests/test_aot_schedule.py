@@ -1,0 +1,149 @@
+"""Kernel speed from libtpu's schedule (torchattn.aot.schedule): the method checked against kernels whose
+answer is known, and the reader's refusal of files that are not what libtpu 0.0.21 writes.
+
+The compiles run in one process (tests/schedule_probe.py): libtpu reads its dump flag when it loads.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchattn import generations
+from torchattn.aot import schedule_dump
+
+ROOT = Path(__file__).resolve().parents[1]
+V5E_MXU_MACS_PER_CYCLE = 4 * 128 * 128  # v5e's schedule names mxu0..mxu3, each a 128 x 128 array
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory) -> dict:
+    pytest.importorskip("libtpu", reason="compiling for TPU needs the libtpu wheel (dev extra)")
+    out = tmp_path_factory.mktemp("schedule") / "probes.json"
+    env = {key: value for key, value in os.environ.items() if key != "LIBTPU_INIT_ARGS"}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "schedule_probe.py"), str(out)], cwd=ROOT,
+                            env={**env, "PJRT_DEVICE": "CPU", "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_matmul_only_kernel_is_within_15_percent_of_the_mxu_minimum(probes):
+    minimum = 512 * 128 * 512 / V5E_MXU_MACS_PER_CYCLE
+    probe = probes["matmul_512x128x512"]
+    assert probe["once_per_row_bundles"] == 0
+    assert abs(probe["step_bundles"] / minimum - 1) <= 0.15, probe["step_bundles"]
+
+
+def test_recorded_macs_per_bundle_is_what_the_compiler_schedules(probes):
+    chip = generations.get("v5e")
+    macs = 512 * 1024 * 1024 / probes["matmul_512x1024x1024"]["step_bundles"]
+    assert macs == pytest.approx(chip.mxu_macs_per_bundle, rel=0.01)
+    assert chip.clock_hz == pytest.approx(chip.peak_bf16_flops / chip.tensorcores / (2 * macs), rel=0.01)
+
+
+def test_doubling_block_kv_doubles_the_forwards_matmul_work_per_step(probes):
+    """The forward's MXU slots per step double with block_kv. Its bundles per step do not (1,991 ->
+    2,361 at libtpu 0.0.21): about 1,600 bundles per step are per-row work (lane broadcasts of the
+    running max and sum: XLU permutes) that block_kv does not change. A step that is all matmul
+    (the matmul-only kernel, n 512 -> 1024) does double."""
+    small, large = probes["forward_kv256"], probes["forward_kv512"]
+    assert large["grid"][-1] * 2 == small["grid"][-1]
+    assert 1.8 <= large["unit_slots"]["MXU"] / small["unit_slots"]["MXU"] <= 2.2
+    assert large["step_bundles"] > small["step_bundles"]
+    matmul_ratio = probes["matmul_512x128x1024"]["step_bundles"] / probes["matmul_512x128x512"]["step_bundles"]
+    assert 1.8 <= matmul_ratio <= 2.2
+
+
+def test_once_per_row_region_is_counted_once_per_row(probes):
+    small, large, taller = probes["once_small"], probes["once_large"], probes["once_large_8_rows"]
+    region = large["body_bundles"] - small["body_bundles"]  # what the 24 rounds of exp added, per the compiler
+    assert region > 5 * large["step_bundles"]
+    assert large["step_bundles"] == small["step_bundles"]
+    assert large["once_per_row_bundles"] - small["once_per_row_bundles"] == region
+    clock = generations.get("v5e").clock_hz
+    for probe in (large, taller):  # the added work counts rows times, not grid-steps times
+        added = (probe["seconds"] - small["seconds"] * probe["rows"] / small["rows"]) * clock
+        assert added == pytest.approx(probe["rows"] * region, rel=0.05)
+
+
+def test_estimate_of_one_grid_predicts_a_compile_with_another(probes):
+    chip = generations.get("v5e")
+    short, long = probes["causal_2048"], probes["causal_4096"]
+    assert long["visible_steps"] == 8 * (8 * 9 // 2)  # 8 heads, causal 8 x 8 tiles of 512
+    step = max(short["step_bundles"] / chip.clock_hz, long["dma_bytes_per_step"] / chip.hbm_bytes_per_s)
+    predicted = long["visible_steps"] * step + long["rows"] * short["once_per_row_bundles"] / chip.clock_hz
+    assert long["seconds"] == pytest.approx(predicted, rel=0.05)
+
+
+def test_measuring_after_libtpu_loaded_without_the_dump_is_refused(probes):
+    assert "libtpu is already loaded" in probes["refusal"] and "--xla_jf_dump_to" in probes["refusal"]
+
+
+# A kernel's three files as libtpu 0.0.21 writes them, cut to 11 bundles: a loop (0x1-0x9) closed by a
+# branch on its exit test, with one region skipped unless a (spilled) grid index is 0.
+BUNDLES = """= control target key start
+LH: loop header
+LB: loop body
+LE: loop exit
+PB: predicated region body
+PF: predicated region fallthrough
+CT: control target
+= control target key end
+
+     0   :  { %s1_s0 = smov 0  ;;  %3 = sst [smem:[#allocation5_spill]] %s1_s0 }
+   0x1 LB: > { %s10_s1 = sld [smem:[#allocation5_spill]] }
+   0x2   : > { %p11_p0 = scmp.ne.s32.totalorder %s10_s1, 0 }
+   0x3   : > { %12 = sbr.rel (%p11_p0) target bundleno = 9 (0x9), region = 8 }
+   0x4   :  {}
+   0x5   : > { %v1_v0 = vmov 0.0 }
+   0x6 PF: > { %p20_p1 = scmp.ge.s32.totalorder %s10_s1, 6 /* loop exit test */ }
+   0x7   : > { %21 = sbr.rel (!%p20_p1) target bundleno = 1 (0x1), region = 9 }
+   0x8   :  {}
+   0x9   : > { %s30_s2 = smov %s10_s1 }
+   0xa   :  { %40 = vsyncpa [#allocation3], 1 }
+"""
+ANALYSIS = "Schedule analysis:\n\ttotal scheduled bundles:    11\n\tempty scheduled bundles:    2\n"
+UTILIZATION = ("== CAPACTIY:\n  MXU|  XLU| VALU|  EUP| LOAD|STORE| SALU\n    4     3     4     1     3     1     2\n"
+               "== UTILIZATION:\n" + "0 0 0 0 0 0 1\n" * 5 + "1 0 2 0 0 1 0\n" + "0 0 0 0 0 0 1\n" * 5)
+
+
+def write_dump(directory: Path, bundles: str = BUNDLES, analysis: str = ANALYSIS,
+               utilization: str = UTILIZATION) -> Path:
+    for name, text in (("70-schedule-analysis_final_bundles", analysis), ("71-final_bundles", bundles),
+                       ("69-final_hlo-static-per-bundle-utilization", utilization)):
+        (directory / f"42-run.1-{name}.txt").write_text(text)
+    return directory
+
+
+def test_reader_finds_the_loop_and_the_once_per_row_region(tmp_path):
+    read = schedule_dump.read(write_dump(tmp_path), "42")
+    assert (read.total_bundles, read.body_first, read.body_last, read.loop_trips) == (11, 1, 9, 6)
+    assert read.once_per_row_bundles() == [4, 5]
+    assert read.step_bundles() == [1, 2, 3, 6, 7, 8, 9]
+    assert read.unit_slots([5])["VALU"] == 2 and read.capacity["EUP"] == 1
+
+
+def test_a_flag_is_not_a_grid_index(tmp_path):
+    flagged = BUNDLES.replace("%s10_s1 = sld [smem:[#allocation5_spill]]",
+                              "%s10_s1 = scalar_select /*predicate=*/%p8_p2, /*on_true=*/1, /*on_false=*/0")
+    read = schedule_dump.read(write_dump(tmp_path, bundles=flagged), "42")
+    assert read.once_per_row_bundles() == [] and len(read.step_bundles()) == 9
+
+
+@pytest.mark.parametrize("part, broken, says", [
+    ("bundles", BUNDLES.replace("   0x5   : > { %v1_v0 = vmov 0.0 }\n", ""), "bundle 0x6 out of order"),
+    ("bundles", BUNDLES.replace("/* loop exit test */", ""), "loop exit test"),
+    ("bundles", BUNDLES.replace("   0x6 PF:", "   0x6   :"), "without 'PF:'"),
+    ("analysis", ANALYSIS.replace("total scheduled", "scheduled"), "total scheduled bundles"),
+    ("utilization", UTILIZATION.replace("VALU", "VPU"), "CAPACTIY"),
+], ids=["missing_bundle", "no_exit_test", "no_fallthrough", "no_total", "unknown_unit"])
+def test_a_file_not_as_libtpu_0_0_21_writes_it_is_refused_naming_it(tmp_path, part, broken, says):
+    write_dump(tmp_path, **{part: broken})
+    with pytest.raises(schedule_dump.DumpFormatError) as error:
+        schedule_dump.read(tmp_path, "42")
+    message = str(error.value)
+    assert says in message and "libtpu 0.0.21" in message and str(tmp_path / "42-run.1-") in message

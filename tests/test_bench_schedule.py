@@ -1,0 +1,47 @@
+"""scripts/bench_schedule.py --quick end to end: every implementation's kernels compiled for v5e and read from
+libtpu's schedule, one CSV row per (configuration, implementation), and a PNG. A subprocess: libtpu reads the
+dump flag when it loads, and this test process may have loaded it already."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("jax")
+pytest.importorskip("libtpu")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMPLEMENTATIONS = ["torchattn", "splash", "splash-fused", "flash"]
+
+
+def test_quick_grid_runs_end_to_end(tmp_path):
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_schedule.py"), "--quick",
+                           "--generation", "v5e", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[v5e 2/2]" in done.stdout  # progress, one line per configuration
+    with open(tmp_path / "schedule-v5e.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(row["causal"], row["implementation"]) for row in rows] == [
+        (causal, implementation) for causal in ("False", "True") for implementation in IMPLEMENTATIONS]
+    for row in rows:
+        if row["implementation"] == "flash" and row["kv_heads"] != row["q_heads"]:
+            assert row["status"].startswith("unsupported: flash_attention: GQA"), row["status"]
+            continue
+        assert row["status"] == "ok", (row["implementation"], row["status"])
+        parts = [float(row[f"{kernel}_s"]) for kernel in ("backward_dq", "backward_dkv", "backward_fused",
+                                                          "dq_reduction") if row[f"{kernel}_s"]]
+        assert len(parts) == 2 and float(row["backward_s"]) == pytest.approx(sum(parts), rel=1e-3)
+        assert float(row["fwd_bwd_s"]) == pytest.approx(float(row["forward_s"]) + float(row["backward_s"]),
+                                                        rel=1e-3)
+    for config in ("False", "True"):
+        ours, *theirs = [row for row in rows if row["causal"] == config]
+        for part in ("forward", "backward", "fwd_bwd"):
+            best = min(float(row[f"{part}_s"]) for row in theirs if row["status"] == "ok")
+            assert float(ours[f"ratio_{part}"]) == pytest.approx(float(ours[f"{part}_s"]) / best, rel=1e-3)
+    with open(tmp_path / "schedule-v5e.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

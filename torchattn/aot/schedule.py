@@ -1,0 +1,236 @@
+"""Kernel speed from libtpu's own VLIW schedule, without a TPU: compiler estimates, not TPU timings.
+
+:func:`measure` compiles each :class:`Kernel` with libtpu's ``--xla_jf_dump_to`` on, reads the
+kernel's final schedule (:mod:`.schedule_dump`) and estimates one call: the sum over the grid
+steps the mask leaves visible of max(every-step bundles / clock, the step's DMA bytes / HBM
+bandwidth), plus the once-per-row-of-tiles regions (init, finalize) at ``rows`` times their
+bundles / clock. The clock and the MXU's MACs per bundle are measured from a matmul-only kernel
+(:func:`matmul_kernel`; torchattn/generations.py). libtpu reads the flag when it loads:
+:func:`enable_dump` must run before anything in the process loads libtpu.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from .. import generations
+from . import schedule_dump
+from .compiler import compile_jax
+
+_FLAG = "--xla_jf_dump_to="
+_DUMP_FILE = re.compile(r"^(\d+)-.+\.txt$")  # <id>-<program>-NN-<pass>.txt, <id>-TLP-hlo.txt
+_TPU_CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'  # in a Mosaic kernel's schedule analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One compiled kernel to be measured, and what one call of it does."""
+
+    name: str  # e.g. "forward", "backward_dq", "backward_dkv", "backward_fused", "dq_reduction"
+    fn: Callable  # a jax function of ``structs``, as torchattn.aot.compile_jax takes it
+    structs: tuple  # jax.ShapeDtypeStruct arguments
+    grid: tuple[int, ...]  # the pallas_call grid (() for a plain XLA op such as a reduction: one step)
+    visible_steps: int  # grid steps whose tile the mask leaves (partly) visible
+    rows: int  # how many times the once-per-row-of-tiles regions run (grid steps / kv steps)
+    dma_bytes_per_step: int  # HBM bytes one visible grid step moves (its input and output blocks)
+    useful_flops: float  # the attention math this kernel does, visible pairs only (2*q*k*d per matmul)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What the compiler's schedule says of one kernel on one generation (an estimate, not a timing)."""
+
+    name: str
+    generation: str
+    body_bundles: int  # the loop body: one grid step with every predicated region taken
+    step_bundles: int  # the part every grid step runs
+    once_per_row_bundles: int  # the part that runs once per row of tiles (init, finalize)
+    mxu_bundles: int  # every-step bundles that issue to an MXU
+    unit_slots: dict[str, int]  # every-step slots used per unit
+    bound_unit: str  # the unit with the most slots used per slot it has
+    loop_trips: int  # the compiled loop's iterations (grid steps per core + 2 for a pipelined pallas_call)
+    tensorcores: int  # the cores the grid's steps are split over
+    seconds: float  # estimated time per call
+    fraction_of_peak: float  # useful FLOPs / seconds / the peak bf16 FLOP/s of those cores
+    other_programs: dict[str, int]  # XLA ops the same compile wrote (name: bundles), not in ``seconds``
+
+
+def enable_dump() -> Path:
+    """The directory libtpu dumps to: the one ``LIBTPU_INIT_ARGS`` names, else a new temporary one
+    set there now. Raises RuntimeError when libtpu is already loaded without the flag."""
+    flags = os.environ.get("LIBTPU_INIT_ARGS", "")
+    named = re.search(re.escape(_FLAG) + r"(\S+)", flags)
+    if named:
+        return Path(named.group(1))
+    if _libtpu_loaded():
+        raise RuntimeError("torchattn.aot.schedule: libtpu is already loaded in this process without "
+                           f"{_FLAG}DIR in LIBTPU_INIT_ARGS, so its compiles write no schedule; call "
+                           "torchattn.aot.schedule.enable_dump() (or set the variable) before anything loads libtpu")
+    directory = tempfile.mkdtemp(prefix="torchattn-schedule-")
+    os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {_FLAG}{directory}".strip()
+    _owned.add(directory)
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return Path(directory)
+
+
+_owned: set[str] = set()  # dump directories enable_dump made: their files are deleted once read
+
+
+def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
+    """Compiles each kernel for ``generation`` with the dump on and estimates one call from its schedule."""
+    chip = generations.get(generation)
+    directory = enable_dump()
+    out = []
+    for kernel in kernels:
+        schedule, others = _compile_and_read(kernel, generation, directory)
+        once = schedule.once_per_row_bundles()
+        step = schedule.step_bundles()
+        slots = schedule.unit_slots(step)
+        bound = max(slots, key=lambda unit: slots[unit] / schedule.capacity[unit])
+        if kernel.grid:
+            # The compiled loop runs the grid's steps (+ 2 that only move blocks) on each TensorCore it
+            # uses: v5p splits the parallel steps over its 2 cores, which share the chip's HBM.
+            cores = _cores(kernel, schedule)
+            seconds = (kernel.visible_steps / cores * max(len(step) / chip.clock_hz,
+                                                          kernel.dma_bytes_per_step * cores / chip.hbm_bytes_per_s)
+                       + kernel.rows / cores * len(once) / chip.clock_hz)
+        else:  # an XLA op: its whole program, its loop (if any) run as often as the compiler says
+            cores = 1
+            seconds = max(_program_bundles(schedule) / chip.clock_hz,
+                          kernel.visible_steps * kernel.dma_bytes_per_step / chip.hbm_bytes_per_s)
+        peak = chip.peak_bf16_flops / chip.tensorcores * cores
+        out.append(Estimate(
+            name=kernel.name, generation=generation, body_bundles=schedule.body_bundles, step_bundles=len(step),
+            once_per_row_bundles=len(once), mxu_bundles=sum(1 for i in step if schedule.usage[i][0]),
+            unit_slots=slots, bound_unit=bound, loop_trips=schedule.loop_trips, tensorcores=cores, seconds=seconds,
+            fraction_of_peak=kernel.useful_flops / seconds / peak, other_programs=others))
+    return out
+
+
+def torchattn_kernels(attention, generation: str, block_sizes=None) -> list[Kernel]:
+    """torchattn's forward, dq and dk/dv kernels of ``attention`` (a torchattn.aot.Attention) on
+    ``generation``, block sizes as ``compile_attention`` takes them. Useful FLOPs count the query-key
+    pairs the causal/window band leaves (segment ids are data: all pairs count), at the true head_dim:
+    forward 2 matmuls, dq 3, dk/dv 4. A step's DMA bytes are the kernel's cost estimate's HBM bytes
+    (torchattn/kernels/cost.py: skipped tiles move nothing) over its visible steps."""
+    import numpy as np
+
+    from ..kernels import cost
+    from .attention import kernel_functions
+
+    kernels = []
+    for name, fn, structs, spec in kernel_functions(attention, generation, block_sizes):
+        q_blocks, kv_blocks = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
+        visible = attention.batch * attention.q_heads * int(spec.blocks.visible(q_blocks, kv_blocks, np).sum())
+        grid, estimate, matmuls = {
+            "forward": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+                        cost.forward_cost(spec), 2),
+            "backward_dq": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+                            cost.dq_cost(spec, spec.score_grad), 3),
+            "backward_dkv": ((spec.batch, spec.kv_heads, spec.num_kv_blocks, spec.groups * spec.num_q_blocks),
+                             cost.dkv_cost(spec), 4)}[name]
+        pairs = attention.batch * attention.q_heads * _band_pairs(attention)
+        kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
+                              rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
+                              useful_flops=2.0 * matmuls * pairs * attention.head_dim))
+    return kernels
+
+
+def _band_pairs(attention) -> int:
+    """Query-key pairs of one (batch, head) slice inside the causal/window band."""
+    from .. import masks
+
+    left, right = masks.diagonal_bounds(attention.causal, attention.window)
+    return int(masks.keys_per_query(attention.q_len, attention.kv_len, left=left, right=right).sum())
+
+
+def _cores(kernel: Kernel, schedule: schedule_dump.Schedule) -> int:
+    """How many TensorCores share the grid: its steps / the steps the compiled loop runs."""
+    steps = math.prod(kernel.grid)
+    per_core = schedule.loop_trips - 2 if schedule.loop_trips > 1 else steps  # no loop: a single step
+    if per_core <= 0 or steps % per_core:
+        raise ValueError(f"kernel {kernel.name}: its compiled loop runs {schedule.loop_trips} iterations, not "
+                         f"grid {kernel.grid} ({steps} steps) + 2 (or a share of them per core); is the grid right? "
+                         f"({schedule.path})")
+    return steps // per_core
+
+
+def matmul_kernel(m: int, k: int, n: int, steps: int) -> Kernel:
+    """A Pallas kernel that is only a bf16 matmul: grid (steps,), each step an (m, k) block of x
+    times all of y (k, n), float32 out. What it measures: the MXU's MACs per bundle."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    def body(x_ref, y_ref, o_ref):
+        o_ref[...] = jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+    call = pl.pallas_call(body, grid=(steps,), out_shape=jax.ShapeDtypeStruct((steps * m, n), jnp.float32),
+                          in_specs=[pl.BlockSpec((m, k), lambda i: (i, 0)), pl.BlockSpec((k, n), lambda i: (0, 0))],
+                          out_specs=pl.BlockSpec((m, n), lambda i: (i, 0)), name="matmul_probe")
+    structs = (jax.ShapeDtypeStruct((steps * m, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n), jnp.bfloat16))
+    return Kernel(name=f"matmul_{m}x{k}x{n}", fn=call, structs=structs, grid=(steps,), visible_steps=steps,
+                  rows=steps, dma_bytes_per_step=m * k * 2 + m * n * 4, useful_flops=2.0 * m * k * n * steps)
+
+
+def _compile_and_read(kernel: Kernel, generation: str, directory: Path):
+    """Compiles ``kernel``; (the schedule of its Mosaic kernel, or for grid () of its one XLA op, and
+    {name: bundles} of the other XLA ops the compile wrote, e.g. broadcasts of segment ids). Dump
+    files are told apart by their ids (a compile's are the ids not there before it); the top-level
+    program (TLP) only launches and is not read; a Mosaic kernel's schedule analysis names its
+    ``tpu_custom_call``."""
+    import jax
+
+    before = set(_programs(directory))
+    jax.clear_caches()  # a program jax compiled before would come from its cache, writing no dump
+    compile_jax(kernel.fn, kernel.structs, generation, kernel.name)
+    new = {key: files for key, files in _programs(directory).items() if key not in before}
+    if not new:
+        raise RuntimeError(f"torchattn.aot.schedule: compiling {kernel.name} wrote no files to {directory}: "
+                           f"libtpu was loaded before LIBTPU_INIT_ARGS named {_FLAG}DIR")
+    try:
+        programs = {key: schedule_dump.read(directory, key) for key, files in new.items()
+                    if not any(name.startswith(f"{key}-TLP-") for name in files)}
+        mosaic = [key for key in programs if _TPU_CUSTOM_CALL in schedule_dump.kernel_files(
+            directory, key)["analysis"].read_text()]
+        wanted = mosaic if kernel.grid else [key for key in programs if key not in mosaic]
+        if len(wanted) != 1:
+            kind = "Mosaic kernel (one pallas_call)" if kernel.grid else "XLA op and no pallas_call"
+            raise ValueError(f"kernel {kernel.name}: expected its compile to write one {kind}, found {len(wanted)} "
+                             f"({sorted(programs[key].path.name for key in wanted)}); measure each as its own Kernel")
+        others = {programs[key].path.name.split("-", 1)[1].rsplit("-", 2)[0]: _program_bundles(programs[key])
+                  for key in programs if key != wanted[0]}
+        return programs[wanted[0]], others
+    finally:
+        if str(directory) in _owned:
+            for files in new.values():
+                for name in files:
+                    (directory / name).unlink(missing_ok=True)
+
+
+def _program_bundles(schedule: schedule_dump.Schedule) -> int:
+    """The bundles a whole program issues: its loop (if any) run as often as the compiler says."""
+    return schedule.total_bundles + (schedule.loop_trips - 1) * schedule.body_bundles
+
+
+def _programs(directory: Path) -> dict[str, list[str]]:
+    """Program id -> its dump files (a long program name is cut short differently in each file's name)."""
+    found: dict[str, list[str]] = {}
+    for name in os.listdir(directory):
+        match = _DUMP_FILE.match(name)
+        if match:
+            found.setdefault(match.group(1), []).append(name)
+    return found
+
+
+def _libtpu_loaded() -> bool:
+    with open("/proc/self/maps") as maps:
+        return any("libtpu" in line for line in maps)

@@ -64,15 +64,19 @@ class Config:
                 + " seg" * self.segments)
 
 
-def grid(generation: str, quick: bool) -> list[Config]:
-    """The configurations of ``generation`` (see the module docstring)."""
+HEAD_DIMS, SEQ_LENS = (64, 128, 256), (2048, 8192, 32768)
+
+
+def grid(generation: str, quick: bool, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS) -> list[Config]:
+    """The configurations of ``generation`` (see the module docstring), those of the full grid limited to
+    ``head_dims`` and ``seq_lens``."""
     if quick:
         return [Config(generation, 32, 32, 2048, 128, False, False), Config(generation, 32, 8, 2048, 128, True, True)]
     if generation not in FULL_GRID:
         return [Config(generation, 32, 8, 8192, 128, causal, False) for causal in (False, True)]
     return [Config(generation, q_heads, kv_heads, seq_len, head_dim, causal, segments)
             for head_dim, seq_len, (q_heads, kv_heads), causal, segments in itertools.product(
-                (64, 128, 256), (2048, 8192, 32768), ((32, 8), (32, 32)), (False, True), (False, True))]
+                head_dims, seq_lens, ((32, 8), (32, 32)), (False, True), (False, True))]
 
 
 def builders(attention, generation: str, blocks) -> dict:
@@ -213,6 +217,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="two configurations per generation")
     parser.add_argument("--blocks", type=_blocks, help="the same blocks for every configuration (default: each "
                                                        "generation's defaults)")
+    parser.add_argument("--head-dim", type=int, nargs="+", choices=HEAD_DIMS, default=HEAD_DIMS,
+                        help="only these head dims of the v5e/v6e grid")
+    parser.add_argument("--seq-len", type=int, nargs="+", choices=SEQ_LENS, default=SEQ_LENS,
+                        help="only these lengths of the v5e/v6e grid")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
     args = parser.parse_args(argv)
 
@@ -220,7 +228,7 @@ def main(argv=None) -> int:
 
     schedule.enable_dump()  # before anything loads libtpu: it reads the flag once
     for generation in args.generation:
-        configs, rows = grid(generation, args.quick), []
+        configs, rows = grid(generation, args.quick, args.head_dim, args.seq_len), []
         for number, config in enumerate(configs, 1):
             start = time.perf_counter()
             measured = measure_config(config, args.blocks)

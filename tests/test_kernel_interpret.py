@@ -7,15 +7,34 @@ import torch
 
 import torchattn
 from matrix import pairwise_cases
-from numerics import check_backend
+from numerics import Case, check_backend
+from torchattn.aot import Attention
+from torchattn.block_sizes import BlockSizes
 
 torch_xla = pytest.importorskip("torch_xla")
+from torchattn.kernels import common  # noqa: E402 (imports jax)
 
 BACKEND = "interpret"
 
 
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
 def test_matches_reference_forward_and_backward(case, device):
+    check_backend(case, BACKEND, device=device)
+
+
+MASK_FREE = [Case(), Case(batch=1, q_len=128, kv_len=256, bias="broadcast"),
+             Case(q_heads=8, kv_heads=2, q_len=256, kv_len=384, head_dim=64, dtype=torch.bfloat16, softcap=20.0,
+                  bias="full", dropout_p=0.1)]
+
+
+@pytest.mark.parametrize("case", MASK_FREE, ids=str)
+def test_calls_every_tile_of_which_is_full_take_the_mask_free_path(case, device):
+    """No band, no padding, no segment ids: the kernels compute no mask (kernels/common.masked), and match."""
+    attention = Attention(batch=case.batch, q_heads=case.q_heads, kv_heads=case.kv_heads, q_len=case.q_len,
+                          kv_len=case.kv_len, head_dim=case.head_dim, bias=case.bias, softcap=case.softcap,
+                          dropout_p=case.dropout_p)
+    blocks = BlockSizes.default(case.q_len, case.kv_len, case.head_dim)
+    assert not any(common.masked(spec) for spec in attention.specs(blocks, None))
     check_backend(case, BACKEND, device=device)
 
 

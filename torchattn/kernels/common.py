@@ -15,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
 from ..roles import PAIRS
+from ..tiling import LANES
 from . import arguments
 from .block_geometry import BlockGeometry
 
@@ -72,19 +73,26 @@ class KernelSpec:
         return any(array.grad for array in self.arrays if array.role == PAIRS)
 
 
+def lanes(rows, width: int):
+    """(block_q, 128) per-row values, each row's value in all 128 lanes, widened to (block_q, width): whole
+    vregs repeated (width is a multiple of 128), which costs no lane broadcast."""
+    if width % LANES:
+        raise ValueError(f"block width: expected a multiple of {LANES} lanes, got {width}")
+    return rows if width == LANES else pltpu.repeat(rows, width // LANES, axis=1)
+
+
 def load(ref):
     """The block behind an optional ref (None stays None)."""
     return None if ref is None else ref[...]
 
 
-def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias, masked: bool = True):
+def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias):
     """Scores and visibility of one (block_q, block_kv) tile.
 
     q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
     kv_ids: (SUBLANES, block_kv) or None; bias: (block_q or 1, block_kv or 1) or None.
-    ``masked`` False: the tile is full (:func:`tile_paths`), so no mask is computed.
-    Returns (scores float32 with masked entries -inf, visible bool or None when not masked,
-    capped tanh or None); the tanh is kept for the softcap gradient.
+    Returns (scores float32 with masked entries -inf, visible bool or None when the call needs no mask
+    (:func:`masked`), capped tanh or None); the tanh is kept for the softcap gradient.
     """
     bq, bkv = q.shape[0], k.shape[0]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -96,7 +104,7 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias,
         s = options.softcap * capped
     if bias is not None:
         s = s + bias.astype(jnp.float32)
-    if not masked:
+    if not masked(spec):
         return s, None, capped
     rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
     cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
@@ -109,17 +117,12 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias,
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
 
-def tile_paths(spec: KernelSpec, q_block, kv_block, visible, tile) -> None:
-    """Runs ``tile(masked)`` on a visible tile: mask-free on a full tile (every pair visible by the band and the
-    lengths, no segment ids), with the mask on the others. When every tile is full, or segment ids make every
-    tile masked, only one path is built."""
+def masked(spec: KernelSpec) -> bool:
+    """Whether the kernels compute a mask on each tile: not when every pair of every tile is visible (no band,
+    no padding, no segment ids). A mask-free path for the full tiles of a masked call is left for when the
+    schedule reader can weight alternative paths by how often each runs."""
     segments = any(array.name == "segment_ids" for array in spec.arrays)
-    if segments or spec.blocks.every_tile_full:
-        pl.when(visible)(lambda: tile(masked=segments))
-        return
-    full = spec.blocks.full(q_block, kv_block)
-    pl.when(full)(lambda: tile(masked=False))
-    pl.when(visible & jnp.logical_not(full))(lambda: tile(masked=True))
+    return segments or not spec.blocks.every_tile_full
 
 
 def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape):

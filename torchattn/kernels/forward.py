@@ -17,8 +17,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES
 from . import arguments
-from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, load, pallas_function,
-                     q_grid_coords, tile_paths)
+from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes, load,
+                     pallas_function, q_grid_coords)
 from .cost import forward_cost
 
 
@@ -32,36 +32,36 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    def tile(masked: bool):
+    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
+    def _step():
         s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block,
                                load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids")),
-                               load(inputs.get("bias")), masked)  # s: (block_q, block_kv)
-        m_prev, l_prev = m_ref[:, :1], l_ref[:, :1]  # (block_q, 1)
+                               load(inputs.get("bias")))  # s: (block_q, block_kv)
+        # The running max and denominator stay (block_q, 128), each row's value in all its lanes: widening
+        # them to a tile repeats whole vregs, where a (block_q, 1) column would be broadcast lane by lane.
+        m_prev, l_prev = m_ref[...], l_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
-        p = jnp.exp(s - m_safe)  # masked entries: exp(-inf) = 0
+        p = jnp.exp(s - lanes(m_safe, s.shape[1]))  # masked entries: exp(-inf) = 0
         alpha = jnp.exp(m_prev - m_safe)
-        l_next = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[...] = m_next
         if spec.options.dropout_p > 0.0:
             p = p * dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
         v = inputs["v"][...]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * alpha + pv
-        m_ref[...] = jnp.broadcast_to(m_next, m_ref.shape)
-        l_ref[...] = jnp.broadcast_to(l_next, l_ref.shape)
-
-    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
+        acc_ref[...] = acc_ref[...] * lanes(alpha, acc_ref.shape[1]) + pv
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():
-        l, m = l_ref[:, :1], m_ref[:, :1]
+        l, m = l_ref[...], m_ref[...]  # (block_q, 128), as in the steps
         # l >= 1 for any row that saw a key (its max contributes exp(0)) and 0 for a row that saw none;
         # NaN (!= 0) once a score was NaN or +inf, which then reaches out and lse as in the dense math.
         seen = l != 0.0
-        o_ref[...] = jnp.where(seen, acc_ref[...] / jnp.where(seen, l, 1.0), 0.0).astype(o_ref.dtype)
-        lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-        lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+        inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+        o_ref[...] = (acc_ref[...] * lanes(inverse, acc_ref.shape[1])).astype(o_ref.dtype)
+        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
 
 
 @functools.lru_cache(maxsize=None)

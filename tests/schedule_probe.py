@@ -61,6 +61,33 @@ def once_per_row_kernel(rows: int, steps: int, init_rounds: int) -> schedule.Ker
                            dma_bytes_per_step=256 * 128 * 4, useful_flops=0.0)
 
 
+def two_paths_kernel(heavy: str) -> schedule.Kernel:
+    """grid (4, 4) over a (256, 128) float32 block per step: on the steps where (i + j) is even a heavy path (64
+    rounds of exp), on the others a light one (1 round); ``heavy`` "even" is that kernel, "all" or "none" runs
+    one path on every step (no alternative), for comparison."""
+    def rounds(x, n):
+        for _ in range(n):
+            x = jnp.exp(x - 1.0)
+        return x
+
+    def body(x_ref, o_ref):
+        # A less-than, as the kernels' own path tests are: an equality with a constant reads as once per row.
+        even = (pl.program_id(0) + pl.program_id(1)) % 2 < 1
+        if heavy == "even":
+            pl.when(even)(lambda: o_ref.__setitem__(..., rounds(x_ref[...], 64)))
+            pl.when(jnp.logical_not(even))(lambda: o_ref.__setitem__(..., rounds(x_ref[...], 1)))
+        else:
+            o_ref[...] = rounds(x_ref[...], 64 if heavy == "all" else 1)
+
+    call = pl.pallas_call(body, grid=(4, 4), out_shape=jax.ShapeDtypeStruct((4 * 256, 4 * 128), jnp.float32),
+                          in_specs=[pl.BlockSpec((256, 128), lambda i, j: (i, j))],
+                          out_specs=pl.BlockSpec((256, 128), lambda i, j: (i, j)))
+    return schedule.Kernel(name=f"two_paths_{heavy}", fn=call,
+                           structs=(jax.ShapeDtypeStruct((4 * 256, 4 * 128), jnp.float32),), grid=(4, 4),
+                           visible_steps=16, rows=4, dma_bytes_per_step=2 * 256 * 128 * 4, useful_flops=0.0,
+                           path_steps=(8, 8) if heavy == "even" else ())
+
+
 def forward(seq_len: int, block_kv: int, causal: bool) -> schedule.Kernel:
     attention = Attention(batch=1, q_heads=8, kv_heads=8, q_len=seq_len, kv_len=seq_len, head_dim=128,
                           causal=causal)
@@ -68,7 +95,8 @@ def forward(seq_len: int, block_kv: int, causal: bool) -> schedule.Kernel:
 
 
 def described(kernel: schedule.Kernel, estimate: schedule.Estimate) -> dict:
-    fields = {name: getattr(kernel, name) for name in ("grid", "visible_steps", "rows", "dma_bytes_per_step")}
+    names = ("grid", "visible_steps", "rows", "dma_bytes_per_step", "path_steps")
+    fields = {name: getattr(kernel, name) for name in names}
     return {**fields, **dataclasses.asdict(estimate)}
 
 
@@ -82,7 +110,8 @@ def main(out_path: str) -> None:
               "causal_4096": forward(4096, 512, causal=True),
               "once_small": once_per_row_kernel(rows=4, steps=4, init_rounds=0),
               "once_large": once_per_row_kernel(rows=4, steps=4, init_rounds=24),
-              "once_large_8_rows": once_per_row_kernel(rows=8, steps=4, init_rounds=24)}
+              "once_large_8_rows": once_per_row_kernel(rows=8, steps=4, init_rounds=24),
+              **{f"two_paths_{heavy}": two_paths_kernel(heavy) for heavy in ("even", "all", "none")}}
     estimates = schedule.measure(list(probes.values()), GENERATION)
     out = {name: described(kernel, estimate) for (name, kernel), estimate in zip(probes.items(), estimates)}
     # libtpu is loaded now; without the flag in the environment a further measure is refused.

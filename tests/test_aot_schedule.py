@@ -46,10 +46,10 @@ def test_recorded_macs_per_bundle_is_what_the_compiler_schedules(probes):
 
 
 def test_doubling_block_kv_doubles_the_forwards_matmul_work_per_step(probes):
-    """The forward's MXU slots per step double with block_kv. Its bundles per step do not (1,991 ->
-    2,361 at libtpu 0.0.21): about 1,600 bundles per step are per-row work (lane broadcasts of the
-    running max and sum: XLU permutes) that block_kv does not change. A step that is all matmul
-    (the matmul-only kernel, n 512 -> 1024) does double."""
+    """The forward's MXU slots per step double with block_kv. Its bundles per step do not (941 -> 1,288 at
+    libtpu 0.0.21, block_q 512): part of a step does not grow with block_kv (the per-row statistics, the
+    pipeline's own work; before the statistics stayed lane-replicated, 1,991 -> 2,361, lane broadcasts
+    dominated). A step that is all matmul (the matmul-only kernel, n 512 -> 1024) does double."""
     small, large = probes["forward_kv256"], probes["forward_kv512"]
     assert large["grid"][-1] * 2 == small["grid"][-1]
     assert 1.8 <= large["unit_slots"]["MXU"] / small["unit_slots"]["MXU"] <= 2.2
@@ -71,12 +71,28 @@ def test_once_per_row_region_is_counted_once_per_row(probes):
 
 
 def test_estimate_of_one_grid_predicts_a_compile_with_another(probes):
+    """Causal: its diagonal tiles on the masked path, the tiles below it on the mask-free one; the per-path
+    bundles of 2048 tokens, weighted by 4096's own steps on each, predict 4096's estimate."""
     chip = generations.get("v5e")
     short, long = probes["causal_2048"], probes["causal_4096"]
     assert long["visible_steps"] == 8 * (8 * 9 // 2)  # 8 heads, causal 8 x 8 tiles of 512
-    step = max(short["step_bundles"] / chip.clock_hz, long["dma_bytes_per_step"] / chip.hbm_bytes_per_s)
-    predicted = long["visible_steps"] * step + long["rows"] * short["once_per_row_bundles"] / chip.clock_hz
+    assert long["path_steps"] == [8 * (8 * 7 // 2), 8 * 8]  # below the diagonal (mask-free), on it (masked)
+    dma = long["dma_bytes_per_step"] / chip.hbm_bytes_per_s
+    predicted = (sum(steps * max(bundles / chip.clock_hz, dma)
+                     for steps, bundles in zip(long["path_steps"], short["path_bundles"]))
+                 + long["rows"] * short["once_per_row_bundles"] / chip.clock_hz)
     assert long["seconds"] == pytest.approx(predicted, rel=0.05)
+
+
+def test_alternative_paths_are_weighted_by_the_steps_that_take_them(probes):
+    """Half the steps take a heavy path, half a light one: the estimate is the mean of the kernels that run
+    one of the paths on every step, not the heavy one's (which counting both paths per step would give)."""
+    two, heavy, light = probes["two_paths_even"], probes["two_paths_all"], probes["two_paths_none"]
+    assert heavy["seconds"] > 4 * light["seconds"]
+    assert two["seconds"] == pytest.approx((heavy["seconds"] + light["seconds"]) / 2, rel=0.1)
+    # Each path: its own work, plus the branches around both (tens of bundles).
+    assert sorted(two["path_bundles"]) == pytest.approx(sorted([light["step_bundles"], heavy["step_bundles"]]),
+                                                        abs=50)
 
 
 def test_measuring_after_libtpu_loaded_without_the_dump_is_refused(probes):

@@ -91,6 +91,17 @@ def test_tile_visible_iff_it_holds_a_visible_pair(causal, window):
 
 
 @pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
+def test_tile_full_iff_every_pair_is_visible(causal, window):
+    """A full tile takes the kernels' mask-free path: one pair it wrongly calls visible is a wrong output."""
+    for q_len, kv_len, block_q, block_kv in itertools.product(LENGTHS, LENGTHS, BLOCKS, BLOCKS):
+        g = geometry(q_len, kv_len, block_q, block_kv, causal, window)
+        truth = tiles_full(pairs_seen(q_len, kv_len, causal, window), block_q, block_kv)
+        q_block, kv_block = np.indices(truth.shape)
+        got = np.broadcast_to(g.full(q_block, kv_block), truth.shape)
+        assert (got == truth).all(), f"{g}: full\n{got.astype(int)}\nbrute force\n{truth.astype(int)}"
+
+
+@pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
 def test_every_tile_full_only_when_every_pair_is_visible(causal, window):
     """Then the kernels drop the mask: one pair it wrongly calls visible is a wrong output."""
     unbounded = masks.diagonal_bounds(causal, window) == (None, None)

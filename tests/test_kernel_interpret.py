@@ -29,12 +29,12 @@ MASK_FREE = [Case(), Case(batch=1, q_len=128, kv_len=256, bias="broadcast"),
 
 @pytest.mark.parametrize("case", MASK_FREE, ids=str)
 def test_calls_every_tile_of_which_is_full_take_the_mask_free_path(case, device):
-    """No band, no padding, no segment ids: the kernels compute no mask (kernels/common.masked), and match."""
+    """No band, no padding, no segment ids: the kernels build only their mask-free path, and match."""
     attention = Attention(batch=case.batch, q_heads=case.q_heads, kv_heads=case.kv_heads, q_len=case.q_len,
                           kv_len=case.kv_len, head_dim=case.head_dim, bias=case.bias, softcap=case.softcap,
                           dropout_p=case.dropout_p)
     blocks = BlockSizes.default(case.q_len, case.kv_len, case.head_dim)
-    assert not any(common.masked(spec) for spec in attention.specs(blocks, None))
+    assert all(common.paths(spec) == (common.MASK_FREE,) for spec in attention.specs(blocks, None))
     check_backend(case, BACKEND, device=device)
 
 
@@ -58,6 +58,29 @@ def test_many_blocks_with_skipping(block_sizes, device):
     ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
     for name, g, r in zip("qkv", grads, ref_grads):
         torch.testing.assert_close(g.cpu(), r.float(), atol=5e-5, rtol=1e-4, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(200, 100), softcap=20.0)], ids=["causal", "window"])
+def test_tiles_inside_the_band_take_the_mask_free_path(kwargs, device):
+    """A band over many tiles: the ones inside it run mask-free, the ones it cuts masked (both paths built);
+    out and every gradient, the bias's included, match the float64 reference."""
+    blocks = torchattn.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128)
+    attention = Attention(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, head_dim=64, bias="full", **kwargs)
+    assert all(common.paths(spec) == (common.MASK_FREE, common.MASKED) for spec in attention.specs(blocks, None))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 4, 512, 64, generator=g), torch.randn(1, 2, 512, 64, generator=g), \
+        torch.randn(1, 2, 512, 64, generator=g)
+    bias = torch.randn(1, 4, 512, 512, generator=g)
+    ref_leaves = [t.double().requires_grad_() for t in (q, k, v, bias)]
+    ref = torchattn.attention_reference(*ref_leaves[:3], bias=ref_leaves[3], **kwargs)[0]
+    ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v, bias)]
+    got = torchattn.flash_attention(*leaves[:3], bias=leaves[3], backend=BACKEND, block_sizes=blocks, **kwargs)
+    grads = torch.autograd.grad(got, leaves, torch.ones_like(got))
+    torch_xla.sync()
+    torch.testing.assert_close(got.cpu(), ref.float(), atol=2e-5, rtol=1e-4)
+    for name, got_grad, want in zip(("q", "k", "v", "bias"), grads, ref_grads):
+        torch.testing.assert_close(got_grad.cpu(), want.float(), atol=5e-5, rtol=1e-4, msg=f"d{name}")
 
 
 def test_lse_and_its_gradient(device):

@@ -42,6 +42,9 @@ class Kernel:
     rows: int  # how many times the once-per-row-of-tiles regions run (grid steps / kv steps)
     dma_bytes_per_step: int  # HBM bytes one visible grid step moves (its input and output blocks)
     useful_flops: float  # the attention math this kernel does, visible pairs only (2*q*k*d per matmul)
+    # How many grid steps run each of the body's alternative paths (its outermost every-step regions, in
+    # program order: schedule_dump.Schedule.path_regions); () when every visible step runs all of them.
+    path_steps: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +54,8 @@ class Estimate:
     name: str
     generation: str
     body_bundles: int  # the loop body: one grid step with every predicated region taken
-    step_bundles: int  # the part every grid step runs
+    step_bundles: int  # the part a visible grid step runs (with alternative paths: its mean over the steps)
+    path_bundles: tuple[int, ...]  # with alternative paths (Kernel.path_steps): the bundles a step on each runs
     once_per_row_bundles: int  # the part that runs once per row of tiles (init, finalize)
     mxu_bundles: int  # every-step bundles that issue to an MXU
     unit_slots: dict[str, int]  # every-step slots used per unit
@@ -93,26 +97,50 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
         schedule, others = _compile_and_read(kernel, generation, directory)
         once = schedule.once_per_row_bundles()
         step = schedule.step_bundles()
-        slots = schedule.unit_slots(step)
-        bound = max(slots, key=lambda unit: slots[unit] / schedule.capacity[unit])
+        step_mean, path_bundles = len(step), ()
         if kernel.grid:
             # The compiled loop runs the grid's steps (+ 2 that only move blocks) on each TensorCore it
             # uses: v5p splits the parallel steps over its 2 cores, which share the chip's HBM.
             cores = _cores(kernel, schedule)
-            seconds = (kernel.visible_steps / cores * max(len(step) / chip.clock_hz,
-                                                          kernel.dma_bytes_per_step * cores / chip.hbm_bytes_per_s)
+            per_path = _paths(kernel, schedule, step)  # [(steps, the bundles each runs)]
+            counted = max(sum(steps for steps, _ in per_path), 1)
+            dma = kernel.dma_bytes_per_step * kernel.visible_steps / counted  # the call's bytes over its steps
+            seconds = (sum(steps / cores * max(len(bundles) / chip.clock_hz, dma * cores / chip.hbm_bytes_per_s)
+                           for steps, bundles in per_path)
                        + kernel.rows / cores * len(once) / chip.clock_hz)
+            step_mean = round(sum(steps * len(bundles) for steps, bundles in per_path) / counted)
+            if kernel.path_steps:
+                path_bundles = tuple(len(bundles) for _, bundles in per_path)
+            step = max(per_path, key=lambda path: path[0])[1]  # units and MXU: the path most steps take
         else:  # an XLA op: its whole program, its loop (if any) run as often as the compiler says
             cores = 1
             seconds = max(_program_bundles(schedule) / chip.clock_hz,
                           kernel.visible_steps * kernel.dma_bytes_per_step / chip.hbm_bytes_per_s)
+        slots = schedule.unit_slots(step)
+        bound = max(slots, key=lambda unit: slots[unit] / schedule.capacity[unit])
         peak = chip.peak_bf16_flops / chip.tensorcores * cores
         out.append(Estimate(
-            name=kernel.name, generation=generation, body_bundles=schedule.body_bundles, step_bundles=len(step),
+            name=kernel.name, generation=generation, body_bundles=schedule.body_bundles, step_bundles=step_mean,
+            path_bundles=path_bundles,
             once_per_row_bundles=len(once), mxu_bundles=sum(1 for i in step if schedule.usage[i][0]),
             unit_slots=slots, bound_unit=bound, loop_trips=schedule.loop_trips, tensorcores=cores, seconds=seconds,
             fraction_of_peak=kernel.useful_flops / seconds / peak, other_programs=others))
     return out
+
+
+def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int]) -> list[tuple[int, list[int]]]:
+    """(steps, the bundles each runs) of each alternative path of ``kernel``: the every-step work outside the
+    paths plus the path's region; without ``path_steps``, all of it on every visible step."""
+    if not kernel.path_steps:
+        return [(kernel.visible_steps, step)]
+    regions = schedule.path_regions()
+    if len(regions) != len(kernel.path_steps):
+        raise ValueError(f"kernel {kernel.name}: path_steps gives {len(kernel.path_steps)} alternative paths, its "
+                         f"schedule has {len(regions)} ({schedule.path})")
+    inside = {i for region in regions for i in range(region.first, region.last + 1)}
+    common = [i for i in step if i not in inside]
+    return [(steps, common + list(range(region.first, region.last + 1)))
+            for steps, region in zip(kernel.path_steps, regions)]
 
 
 def torchattn_kernels(attention, generation: str, block_sizes=None) -> list[Kernel]:
@@ -140,8 +168,28 @@ def torchattn_kernels(attention, generation: str, block_sizes=None) -> list[Kern
         pairs = attention.batch * attention.q_heads * _band_pairs(attention)
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
-                              useful_flops=2.0 * matmuls * pairs * attention.head_dim))
+                              useful_flops=2.0 * matmuls * pairs * attention.head_dim,
+                              path_steps=_path_steps(spec, name == "backward_dq" and spec.score_grad)))
     return kernels
+
+
+def _path_steps(spec, zeroed_skips: bool) -> tuple[int, ...]:
+    """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_paths: mask-free full tiles,
+    then masked ones), then, when ``zeroed_skips`` (dq writing ds), the skipped tiles whose ds is zeroed; ()
+    for a kernel with one path and nothing else predicated per step."""
+    import numpy as np
+
+    from ..kernels import common
+
+    built = common.paths(spec)
+    if len(built) == 1 and not zeroed_skips:
+        return ()
+    q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
+    visible = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape)
+    full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape) & visible
+    tiles = {common.MASK_FREE: full, common.MASKED: visible & ~full} if len(built) > 1 else {built[0]: visible}
+    counts = [int(tiles[path].sum()) for path in built] + ([int((~visible).sum())] if zeroed_skips else [])
+    return tuple(spec.batch * spec.q_heads * n for n in counts)
 
 
 def _band_pairs(attention) -> int:

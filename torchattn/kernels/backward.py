@@ -23,7 +23,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import arguments
 from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes, load,
-                     pallas_function, q_grid_coords)
+                     pallas_function, q_grid_coords, tile_paths)
 from .cost import dkv_cost, dq_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -35,11 +35,11 @@ def _dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do):
+def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked):
     """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
 
     ``inputs``: the kernel's input refs by name (kernels/arguments.py); q, k, do: their blocks,
-    loaded by the caller, which uses them again.
+    loaded by the caller, which uses them again; ``masked``: False on a full tile (common.tile_paths).
 
     ds is the gradient of the logits after softcap and bias (= dbias); dlogits
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
@@ -47,7 +47,7 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     # (block_q, block_kv): each row's lse and delta, held in all 128 lanes, repeated as whole vregs.
     lse, delta = (lanes(inputs[name][...], k.shape[0]) for name in ("lse", "delta"))
     s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs.get("segment_ids")),
-                                   load(inputs.get("kv_segment_ids")), load(inputs.get("bias")))
+                                   load(inputs.get("kv_segment_ids")), load(inputs.get("bias")), masked)
     p = jnp.exp(s - lse)  # (block_q, block_kv)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)  # lse is not -inf where keep
@@ -73,14 +73,15 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    @pl.when(visible)
-    def _step():
+    def tile(masked: bool):
         k = inputs["k"][...]
         _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
-                                         inputs["q"][...], k, inputs["do"][...])
+                                         inputs["q"][...], k, inputs["do"][...], masked)
         dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
         if with_ds:
             ds_ref[...] = ds
+
+    tile_paths(spec, q_block, kv_block, visible, tile)
 
     if with_ds:
         @pl.when(jnp.logical_not(visible))
@@ -103,13 +104,14 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec):
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
-    def _step():
+    def tile(masked: bool):
         q, do = inputs["q"][...], inputs["do"][...]
         p, _, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
-                                        q, inputs["k"][...], do)
+                                        q, inputs["k"][...], do, masked)
         dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
         dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.options.scale
+
+    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():

@@ -55,6 +55,21 @@ class BlockGeometry:
         return (self.left is None and self.right is None and self.q_len % self.block_q == 0
                 and self.kv_len % self.block_kv == 0)
 
+    def full(self, q_block, kv_block):
+        """Whether every (query, key) pair of the tile is visible by the band and the lengths (no padding): such
+        a tile needs no mask arithmetic. The band's first and last keys grow with the query, so the last query's
+        first key and the first query's last key bound the whole tile."""
+        q_start, kv_start = q_block * self.block_q, kv_block * self.block_kv
+        q_end, kv_end = q_start + self.block_q, kv_start + self.block_kv
+        full = (q_end <= self.q_len) & (kv_end <= self.kv_len)
+        first, _ = masks.band(q_end - 1, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+        _, last = masks.band(q_start, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+        if first is not None:
+            full = full & (first <= kv_start)
+        if last is not None:
+            full = full & (kv_end - 1 <= last)
+        return full
+
     def fetched_kv_block(self, q_block, kv_block, xp):
         """The key block the index maps of query block ``q_block`` fetch at kv step ``kv_block``.
 

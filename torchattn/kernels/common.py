@@ -86,13 +86,14 @@ def load(ref):
     return None if ref is None else ref[...]
 
 
-def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias):
+def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias, masked: bool):
     """Scores and visibility of one (block_q, block_kv) tile.
 
     q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
     kv_ids: (SUBLANES, block_kv) or None; bias: (block_q or 1, block_kv or 1) or None.
-    Returns (scores float32 with masked entries -inf, visible bool or None when the call needs no mask
-    (:func:`masked`), capped tanh or None); the tanh is kept for the softcap gradient.
+    ``masked``: False on a full tile (:func:`tile_paths`), which needs no mask. Returns (scores float32
+    with masked entries -inf, visible bool or None when not masked, capped tanh or None); the tanh is kept
+    for the softcap gradient.
     """
     bq, bkv = q.shape[0], k.shape[0]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -104,7 +105,7 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
         s = options.softcap * capped
     if bias is not None:
         s = s + bias.astype(jnp.float32)
-    if not masked(spec):
+    if not masked:
         return s, None, capped
     rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
     cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
@@ -117,12 +118,35 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias)
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
 
-def masked(spec: KernelSpec) -> bool:
-    """Whether the kernels compute a mask on each tile: not when every pair of every tile is visible (no band,
-    no padding, no segment ids). A mask-free path for the full tiles of a masked call is left for when the
-    schedule reader can weight alternative paths by how often each runs."""
-    segments = any(array.name == "segment_ids" for array in spec.arrays)
-    return segments or not spec.blocks.every_tile_full
+MASK_FREE, MASKED = "mask-free", "masked"
+
+
+def paths(spec: KernelSpec) -> tuple[str, ...]:
+    """The tile paths the kernels of ``spec`` build, in program order: mask-free for full tiles (every pair
+    visible by the band and the lengths, BlockGeometry.full), masked for the other visible ones. Segment ids
+    (data) mask every tile; a call without band and padding has only full tiles; a path no tile takes is
+    not built."""
+    import numpy as np
+
+    if any(array.name == "segment_ids" for array in spec.arrays):
+        return (MASKED,)
+    if spec.blocks.every_tile_full:
+        return (MASK_FREE,)
+    q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
+    full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape)
+    partial = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape) & ~full
+    return tuple(path for path, tiles in ((MASK_FREE, full), (MASKED, partial)) if tiles.any())
+
+
+def tile_paths(spec: KernelSpec, q_block, kv_block, visible, tile) -> None:
+    """Runs ``tile(masked)`` on a visible tile, on the path :func:`paths` gives it."""
+    built = paths(spec)
+    if len(built) == 1:
+        pl.when(visible)(lambda: tile(masked=built[0] == MASKED))
+        return
+    full = spec.blocks.full(q_block, kv_block)
+    pl.when(full)(lambda: tile(masked=False))
+    pl.when(visible & jnp.logical_not(full))(lambda: tile(masked=True))
 
 
 def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape):

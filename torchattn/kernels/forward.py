@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..tiling import LANES
 from . import arguments
 from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes, load,
-                     pallas_function, q_grid_coords)
+                     pallas_function, q_grid_coords, tile_paths)
 from .cost import forward_cost
 
 
@@ -32,11 +32,10 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-    @pl.when(spec.blocks.visible(q_block, kv_block, jnp))
-    def _step():
+    def tile(masked: bool):
         s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block,
                                load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids")),
-                               load(inputs.get("bias")))  # s: (block_q, block_kv)
+                               load(inputs.get("bias")), masked)  # s: (block_q, block_kv)
         # The running max and denominator stay (block_q, 128), each row's value in all its lanes: widening
         # them to a tile repeats whole vregs, where a (block_q, 1) column would be broadcast lane by lane.
         m_prev, l_prev = m_ref[...], l_ref[...]
@@ -52,6 +51,8 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * lanes(alpha, acc_ref.shape[1]) + pv
+
+    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():

@@ -94,6 +94,12 @@ def forward(seq_len: int, block_kv: int, causal: bool) -> schedule.Kernel:
     return schedule.torchattn_kernels(attention, GENERATION, BlockSizes(512, block_kv, 512, 512))[0]
 
 
+def backward(head_dim: int) -> list[schedule.Kernel]:
+    """The dq and dk/dv kernels at 2048 tokens, 8 heads, blocks 512."""
+    attention = Attention(batch=1, q_heads=8, kv_heads=8, q_len=2048, kv_len=2048, head_dim=head_dim)
+    return schedule.torchattn_kernels(attention, GENERATION, BlockSizes(512, 512, 512, 512))[1:]
+
+
 def described(kernel: schedule.Kernel, estimate: schedule.Estimate) -> dict:
     names = ("grid", "visible_steps", "rows", "dma_bytes_per_step", "path_steps")
     fields = {name: getattr(kernel, name) for name in names}
@@ -111,7 +117,8 @@ def main(out_path: str) -> None:
               "once_small": once_per_row_kernel(rows=4, steps=4, init_rounds=0),
               "once_large": once_per_row_kernel(rows=4, steps=4, init_rounds=24),
               "once_large_8_rows": once_per_row_kernel(rows=8, steps=4, init_rounds=24),
-              **{f"two_paths_{heavy}": two_paths_kernel(heavy) for heavy in ("even", "all", "none")}}
+              **{f"two_paths_{heavy}": two_paths_kernel(heavy) for heavy in ("even", "all", "none")},
+              **{f"{kernel.name}_d{d}": kernel for d in (64, 128) for kernel in backward(d)}}
     estimates = schedule.measure(list(probes.values()), GENERATION)
     out = {name: described(kernel, estimate) for (name, kernel), estimate in zip(probes.items(), estimates)}
     # libtpu is loaded now; without the flag in the environment a further measure is refused.

@@ -95,6 +95,16 @@ def test_alternative_paths_are_weighted_by_the_steps_that_take_them(probes):
                                                         abs=50)
 
 
+@pytest.mark.parametrize("kernel,most", [("backward_dq", 0.9), ("backward_dkv", 0.85)])
+def test_head_dim_64_backward_takes_fewer_bundles_per_step_than_128(probes, kernel, most):
+    """Below 128 lanes the backward accumulates its gradients transposed, head_dim as the rows the MXU
+    streams (KernelSpec.transposed_gradients): at head_dim 64 its steps are shorter than at 128, where
+    padded lanes would make them the same program."""
+    narrow, wide = probes[f"{kernel}_d64"], probes[f"{kernel}_d128"]
+    assert narrow["step_bundles"] <= most * wide["step_bundles"], (narrow["step_bundles"], wide["step_bundles"])
+    assert narrow["unit_slots"]["MXU"] < wide["unit_slots"]["MXU"]
+
+
 def test_measuring_after_libtpu_loaded_without_the_dump_is_refused(probes):
     assert "libtpu is already loaded" in probes["refusal"] and "--xla_jf_dump_to" in probes["refusal"]
 

@@ -11,7 +11,7 @@ Expected counts here are independent of torchattn.kernels.cost: which
 ``flash_attention``'s documented mask lets through is found by walking every
 pair with ``brute_force.sees``; segment ids are data, which no kernel can skip
 a tile for, so the walk ignores them. FLOPs per visited tile are the kernels'
-matmuls, 2 * block_q * block_kv * 128 each (head_dim 128 is one lane tile):
+matmuls, 2 * block_q * block_kv * head_dim each (128, one lane tile, or 64, which the kernels take unpadded):
 forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (+ p^T do, ds^T q).
 XLA reports FLOPs as float32, hence the relative tolerance of 1e-6.
 """
@@ -48,6 +48,8 @@ CONFIGS = {
                      softcap=30.0),
     "segments_bias": Attention(batch=2, q_heads=2, kv_heads=2, q_len=1024, kv_len=1024, head_dim=HEAD_DIM,
                                causal=True, segments=True, bias="full"),
+    # head_dim below one lane tile: the kernels take q, k, v unpadded, and their matmuls are 64 deep or wide.
+    "narrow": Attention(batch=1, q_heads=2, kv_heads=2, q_len=2048, kv_len=2048, head_dim=64),
 }
 
 
@@ -74,7 +76,7 @@ def visited_tiles(name: str) -> int:
 
 def expected_flops(name: str, kernel: str) -> int:
     a = CONFIGS[name]
-    per_tile = MATMULS[kernel] * 2 * BLOCKS.block_q * BLOCKS.block_kv * HEAD_DIM
+    per_tile = MATMULS[kernel] * 2 * BLOCKS.block_q * BLOCKS.block_kv * a.head_dim
     return visited_tiles(name) * a.batch * a.q_heads * per_tile
 
 
@@ -160,3 +162,15 @@ def test_bytes_causal_skipped_tiles_fetch_nothing():
     # dk/dv walks q blocks per key block: 0, 1 | [0 skipped: stays 1], 1: 2 fetches each of q, do, lse, delta;
     # k, v read and dk, dv written once per key block: 4 x 2.
     assert dkv_cost(backward).bytes_accessed == 4 * BLOCK + 4 * ROWS + 8 * BLOCK
+
+
+@pytest.mark.parametrize("kernel", list(MATMULS))
+def test_head_dim_64_arrays_are_not_padded_to_128_lanes(kernel):
+    """The kernels take q, k and v (and give out, dq, dk, dv) with 64 lanes: the same call at head_dim 128
+    has 64 more bfloat16 lanes per row in each; lse, delta and the dropout key are the same."""
+    a = CONFIGS["narrow"]
+    narrow, wide = compiled("narrow")[kernel], compiled("plain")[kernel]
+    rows = a.batch * a.q_heads * a.q_len  # q_len = kv_len, q_heads = kv_heads here
+    features = {"forward": (3, 1), "backward_dq": (4, 1), "backward_dkv": (4, 2)}[kernel]  # (read, written)
+    assert wide.argument_bytes - narrow.argument_bytes == features[0] * rows * 64 * 2
+    assert wide.output_bytes - narrow.output_bytes == features[1] * rows * 64 * 2

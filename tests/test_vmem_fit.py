@@ -89,6 +89,23 @@ def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
                                  f"is more than {SLACK_FACTOR}x + {SLACK_BYTES / MiB:.0f} MiB the need")
 
 
+NARROW_CASES = [  # below 128 lanes: unpadded arrays, transposed backward accumulators (vmem.py's docstring)
+    ("v5e", "forward", 80, "bfloat16", 512, 1024, "segments"),
+    ("v5e", "backward_dq", 32, "float32", 512, 512, "segments,bias"),
+    ("v5e", "backward_dkv", 64, "bfloat16", 1024, 1024, "segments,bias"),
+    ("v4", "backward_dkv", 96, "bfloat16", 512, 512, ""),
+]
+
+
+@pytest.mark.parametrize("case", NARROW_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_estimate_below_128_lanes_is_an_upper_bound(case):
+    generation, kernel, head_dim, dtype, block_q, block_kv, features = case
+    attention = _attention(head_dim, dtype, block_q, block_kv, features)
+    estimate = vmem.kernel_bytes(kernel, attention.vmem_operands(), block_q, block_kv)
+    assert _compiles(attention, generation, kernel, block_q, block_kv, estimate), \
+        f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
+
+
 @pytest.mark.parametrize("generation", sorted(generations.GENERATIONS))
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

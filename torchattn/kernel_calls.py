@@ -49,6 +49,13 @@ def vmem_operands(request: Request) -> vmem.Operands:
                          dropout=request.options.dropout_p > 0, softcap=request.options.softcap is not None)
 
 
+def kernel_head_dim(head_dim: int) -> int:
+    """The head_dim of the kernels' arrays and blocks. Below 128 the true one: a block dim may be the whole
+    array dim, so nothing is padded (kernels/backward.py then puts head_dim in the MXU's rows). Above, padded
+    to a multiple of 128 lanes (zero lanes change neither q k^T nor p v)."""
+    return head_dim if arguments.narrow(head_dim) else round_up(head_dim, LANES)
+
+
 def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, interpret: bool):
     """The KernelSpec of one call; ``options.generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
     from .kernels.common import KernelSpec  # imports jax: only once a kernel actually runs
@@ -59,7 +66,7 @@ def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int,
     return KernelSpec(
         batch=batch, q_heads=q_heads, kv_heads=kv_heads, q_len=q_len, kv_len=kv_len,
         q_pad=round_up(q_len, block_q), kv_pad=round_up(kv_len, block_kv),
-        head_dim=round_up(head_dim, LANES),  # zero lanes change neither q k^T nor p v
+        head_dim=kernel_head_dim(head_dim),
         block_q=block_q, block_kv=block_kv, dtype=_dtype_name(tensors.q.dtype), options=options,
         arrays=kernel_arrays(tensors), interpret=interpret,
         vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and not interpret else None)
@@ -79,7 +86,7 @@ def _pad_rows(t: torch.Tensor, length: int, dim: int = 2) -> torch.Tensor:
 
 def _layout(spec, array: arguments.Array, t: torch.Tensor) -> torch.Tensor:
     """A tensor in the kernels' layout for ``array`` (kernels/arguments.py): rows padded to the blocks, head_dim
-    to the lanes; one value per q row broadcast over the 128 lanes, per kv row over the 8 sublanes; a per-pair
+    to ``spec.head_dim``; one value per q row broadcast over the 128 lanes, per kv row over the 8 sublanes; a per-pair
     tensor padded along the dims it does not broadcast over."""
     target = arguments.shape(spec, array)
     if array.role == PAIRS:

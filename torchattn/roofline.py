@@ -9,7 +9,7 @@ benchmarks compare, whatever work an implementation really does.
 
 The work the kernels do is :mod:`torchattn.kernels.cost`'s count per launch
 (the estimate XLA gets): matrix-unit FLOPs of the tiles causal and window masks
-leave visible, head_dim padded to 128 lanes, and the HBM bytes the Pallas
+leave visible, head_dim padded to 128 lanes (:func:`kernel_work`), and the HBM bytes the Pallas
 pipeline moves. A kernel's roofline time on a chip is ``max(flops / peak bf16
 FLOP/s, bytes / HBM bandwidth)``: the least time it can take, reached only
 when compute and transfers overlap perfectly. The three kernels run one after
@@ -27,6 +27,7 @@ import numpy as np
 
 from . import generations, masks
 from .block_sizes import BlockSizes
+from .tiling import LANES, round_up
 
 if TYPE_CHECKING:
     from .aot import Attention
@@ -79,15 +80,17 @@ def kernel_work(attention: Attention, block_sizes: BlockSizes, generation: str, 
     """{kernel: Work} of the forward, dq and dk/dv launches of ``attention`` as the ``pallas`` backend runs
     it at ``block_sizes`` (clamped to the lengths, as a call clamps them).
 
-    ``pad_head_dim=False`` counts head_dim as it is: what kernels that did not pad it to a multiple of
-    128 lanes would do and move.
+    head_dim is counted padded to a multiple of 128 lanes: a product 64 deep or wide takes the matrix unit's
+    time of one 128 wide (torchattn.aot.schedule.matmul_kernel measures it), though below 128 the kernels
+    take head_dim unpadded and move fewer bytes than counted here. ``pad_head_dim=False`` counts head_dim
+    as it is: the FLOPs and bytes on paper.
     """
     from .kernels import cost  # imports jax
 
     blocks = block_sizes.clamped(attention.q_len, attention.kv_len)
     specs = attention.specs(blocks, generation)
-    if not pad_head_dim:
-        specs = tuple(dataclasses.replace(spec, head_dim=attention.head_dim) for spec in specs)
+    head_dim = round_up(attention.head_dim, LANES) if pad_head_dim else attention.head_dim
+    specs = tuple(dataclasses.replace(spec, head_dim=head_dim) for spec in specs)
     forward, backward = specs
     estimates = {"forward": cost.forward_cost(forward),
                  "backward_dq": cost.dq_cost(backward, with_ds=backward.score_grad),

@@ -14,7 +14,8 @@ its shape role (torchattn/roles.py), so an input of an existing role needs no co
 - per (q, kv) pair (the bias): (batch|1, q_heads|1, q_pad|1, kv_pad|1), blocks (block_q|1, block_kv|1).
 
 Sequences are padded to ``spec.q_pad``/``spec.kv_pad`` (multiples of the blocks), head_dim to
-``spec.head_dim`` (128 lanes). Read by the torch side (torchattn/kernel_calls.py), the kernel bodies
+``spec.head_dim``: as it is below 128 (a block dim may be the whole array dim), else to a multiple of 128
+lanes (torchattn.kernel_calls.kernel_head_dim). Read by the torch side (torchattn/kernel_calls.py), the kernel bodies
 (:func:`unpack`), the block specs (kernels/common.py), the cost estimates, the VMEM estimate and
 ``torchattn.aot.argument_structs``. Pure Python: the VMEM check runs before jax is imported.
 """
@@ -72,6 +73,12 @@ class Array:
     def block_bytes(self, block_q: int, block_kv: int, head_dim: int) -> int:
         """HBM bytes one block moves."""
         return math.prod(n for n in self.block(block_q, block_kv, head_dim) if n is not None) * ITEMSIZE[self.dtype]
+
+
+def narrow(head_dim: int) -> bool:
+    """head_dim below one 128-lane tile: the arrays keep it unpadded (torchattn.kernel_calls.kernel_head_dim)
+    and the backward accumulates its gradients transposed (KernelSpec.transposed_gradients)."""
+    return head_dim < LANES
 
 
 def backward_arrays(dtype: str) -> tuple[Array, ...]:

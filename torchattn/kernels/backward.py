@@ -10,6 +10,9 @@ rowsum(do * out) - dlse, computed outside the kernels.
 - dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks): the
   innermost axis walks every query head of the group and every query block, so
   GQA gradients are summed in VMEM without repeating K/V.
+
+Below 128 lanes of head_dim both accumulate their gradients transposed, (head_dim, rows)
+(``KernelSpec.transposed_gradients``), and transpose them once, into the output block.
 """
 
 from __future__ import annotations
@@ -29,10 +32,22 @@ from .cost import dkv_cost, dq_cost
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_TT = (((0,), (1,)), ((), ()))  # a.T @ b.T
 
 
 def _dot(a, b, dims):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def _accumulator(spec, rows: int) -> tuple[int, int]:
+    """The shape of a gradient accumulator for ``rows`` rows: transposed below 128 lanes
+    (KernelSpec.transposed_gradients)."""
+    return (spec.head_dim, rows) if spec.transposed_gradients else (rows, spec.head_dim)
+
+
+def _untransposed(spec, acc):
+    """An accumulator as (rows, head_dim), the layout of its output block: transposed once per block."""
+    return acc.T if spec.transposed_gradients else acc
 
 
 def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked):
@@ -77,7 +92,10 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
         k = inputs["k"][...]
         _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                          inputs["q"][...], k, inputs["do"][...], masked)
-        dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
+        if spec.transposed_gradients:  # dq^T (head_dim, block_q)
+            dq_acc[...] += _dot(k, dlogits.astype(k.dtype), _TT) * spec.options.scale
+        else:
+            dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
         if with_ds:
             ds_ref[...] = ds
 
@@ -90,7 +108,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():
-        dq_ref[...] = dq_acc[...].astype(dq_ref.dtype)
+        dq_ref[...] = _untransposed(spec, dq_acc[...]).astype(dq_ref.dtype)
 
 
 def dkv_kernel(key_ref, *refs, spec: KernelSpec):
@@ -108,15 +126,19 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec):
         q, do = inputs["q"][...], inputs["do"][...]
         p, _, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                         q, inputs["k"][...], do, masked)
-        dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
-        dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.options.scale
+        if spec.transposed_gradients:  # dv^T, dk^T (head_dim, block_kv)
+            dv_acc[...] += _dot(do, p.astype(do.dtype), _TN)
+            dk_acc[...] += _dot(q, dlogits.astype(q.dtype), _TN) * spec.options.scale
+        else:
+            dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
+            dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.options.scale
 
     tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():
-        dk_ref[...] = dk_acc[...].astype(dk_ref.dtype)
-        dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
+        dk_ref[...] = _untransposed(spec, dk_acc[...]).astype(dk_ref.dtype)
+        dv_ref[...] = _untransposed(spec, dv_acc[...]).astype(dv_ref.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +160,7 @@ def dq_call(spec: KernelSpec, with_ds: bool):
         functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
         spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        scratch_shapes=[pltpu.VMEM((bq, d), jnp.float32)], name="torchattn_backward_dq",
+        scratch_shapes=[pltpu.VMEM(_accumulator(spec, bq), jnp.float32)], name="torchattn_backward_dq",
         cost_estimate=dq_cost(spec, with_ds))
 
 
@@ -161,5 +183,5 @@ def dkv_call(spec: KernelSpec):
         in_specs=in_specs, out_specs=[block_spec(spec, arguments.named(spec, name), coords)
                                       for name in ("k", "v")],  # dk, dv are laid out like k, v
         out_shape=[kv_shape, kv_shape],
-        scratch_shapes=[pltpu.VMEM((bkv, d), jnp.float32), pltpu.VMEM((bkv, d), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM(_accumulator(spec, bkv), jnp.float32)] * 2,
         name="torchattn_backward_dkv", cost_estimate=dkv_cost(spec))

@@ -68,16 +68,27 @@ class KernelSpec:
                              left=left, right=right)
 
     @property
+    def transposed_gradients(self) -> bool:
+        """head_dim below 128 lanes: the backward accumulates dq, dk and dv transposed, (head_dim, block) =
+        k^T ds^T, do^T p, q^T ds. The MXU's time goes with the rows of a product's left operand, not with a
+        contraction or output width below 128, so head_dim as rows costs head_dim / 128 of a product with
+        head_dim as columns (v5e, d=64: dk/dv 2,186 -> 1,706 bundles per step, dq 1,573 -> 1,358)."""
+        return arguments.narrow(self.head_dim)
+
+    @property
     def score_grad(self) -> bool:
         """An input per (q, kv) pair gets a gradient, so the dq kernel also writes the score gradient ds."""
         return any(array.grad for array in self.arrays if array.role == PAIRS)
 
 
 def lanes(rows, width: int):
-    """(block_q, 128) per-row values, each row's value in all 128 lanes, widened to (block_q, width): whole
-    vregs repeated (width is a multiple of 128), which costs no lane broadcast."""
+    """(block_q, 128) per-row values, each row's value in all 128 lanes, as (block_q, width): whole vregs
+    repeated for a multiple of 128, the first lanes of each vreg for a narrower width (an unpadded
+    head_dim); neither costs a lane broadcast."""
+    if width < LANES:
+        return rows[:, :width]
     if width % LANES:
-        raise ValueError(f"block width: expected a multiple of {LANES} lanes, got {width}")
+        raise ValueError(f"block width: expected fewer than {LANES} lanes or a multiple of {LANES}, got {width}")
     return rows if width == LANES else pltpu.repeat(rows, width // LANES, axis=1)
 
 

@@ -10,8 +10,8 @@ the TPU), so the kernels' own block geometry (``KernelSpec.blocks``, see
 
 - flops: matmuls of the (q block, kv block) tiles the kernel does not skip
   (causal, window and padding skipping; segment ids are data and never skip a
-  tile), ``2 * block_q * block_kv * head_dim`` each (head_dim as padded to 128
-  lanes): forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (q k^T,
+  tile), ``2 * block_q * block_kv * head_dim`` each (head_dim as the kernels' arrays
+  hold it, kernels/arguments.py): forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (q k^T,
   do v^T, p^T do, ds^T q). Elementwise work (softmax, masks, bias, dropout) is
   not counted.
 - transcendentals: per visited tile, exp of every score, and tanh of every
@@ -22,8 +22,9 @@ the TPU), so the kernels' own block geometry (``KernelSpec.blocks``, see
   the block indices are the index maps' own: a skipped tile's points at the
   nearest visible block of its row (or column, in the dk/dv kernel), so
   skipping costs no DMA. An output block is written each time its index
-  changes. The bias is float32. Approximation: the split of parallel grid axes
-  across TensorCores (v4, v5p) is ignored.
+  changes. The bias is float32. Approximations: the split of parallel grid axes
+  across TensorCores (v4, v5p) is ignored; a row of head_dim below 128 counts its
+  own bytes, though HBM stores it in a 128-lane tile.
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ A kernel holds in VMEM:
 - every input and output block twice: Pallas' pipeline fetches the next block
   while the kernel works on this one. A block is stored in (8, 128) tiles of
   32-bit words: rows padded to 8 (16 for bfloat16, two rows per word), lanes to
-  128. head_dim is padded to 128 lanes (torchattn/kernel_calls.py);
+  128: a head_dim below 128, which the arrays keep unpadded, still fills whole
+  tiles (the compiler lays such arrays out as T(8,128));
 - its scratch (forward.py, backward.py), float32: the forward's running max and
   denominator (block_q, 128) and accumulator (block_q, head_dim); dq's
-  accumulator (block_q, head_dim); dk/dv's two (block_kv, head_dim);
+  accumulator (block_q, head_dim); dk/dv's two (block_kv, head_dim); the
+  backward's transposed, (head_dim, rows), below 128 lanes;
 - the compiler's intermediates, :data:`INTERMEDIATES`, measured.
 
 Calibration against libtpu 0.0.21: the need of a kernel is the smallest
@@ -37,6 +39,11 @@ stay within 1.5x + 1 MiB (tests/test_vmem_fit.py measures a few again). MiB:
     backward_dkv  128      bfloat16  512x1024   broadcast bias             8.01  10.50
     v4 forward    128      bfloat16  512x512    segments, bias             6.56   6.91
     v6e dq        128      bfloat16  1024x1024  segments, bias            31.05  32.69
+
+Below 128 lanes (arguments.narrow) the same estimate is an upper bound that the intermediates were not
+calibrated for: the compiler needs far less there (v5e, head_dim 64, 8 q / 4 kv heads, 8192 tokens:
+dq bfloat16 1024x1024 5.44 MiB against an estimate of 15.62; dk/dv 9.09 against 17.25; forward float32
+512x1024 3.30 against 8.12; dk/dv float32 512x512 3.91 against 8.25), so blocks it refuses there may fit.
 """
 
 from __future__ import annotations
@@ -108,6 +115,14 @@ def _tile_bytes(rows: int, cols: int, itemsize: int) -> int:
     return round_up(rows, rows_per_tile) * round_up(cols, LANES) * itemsize
 
 
+def _accumulator_bytes(head_dim: int, rows: int) -> int:
+    """A backward kernel's float32 gradient accumulator: (head_dim, rows) below 128 lanes
+    (arguments.narrow), else (rows, head_dim padded to 128 lanes)."""
+    if arguments.narrow(head_dim):
+        return _tile_bytes(head_dim, rows, _WORD)
+    return _tile_bytes(rows, round_up(head_dim, LANES), _WORD)
+
+
 def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -> int:
     """VMEM ``kernel`` ("forward", "backward_dq", "backward_dkv") needs at these block sizes."""
     if kernel not in KERNELS:
@@ -127,10 +142,10 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
         scratch = [per_row, per_row, _tile_bytes(block_q, d, _WORD)]
     elif kernel == "backward_dq":
         outputs = [q_block] + ([scores] if operands.score_grad else [])
-        scratch = [_tile_bytes(block_q, d, _WORD)]
+        scratch = [_accumulator_bytes(operands.head_dim, block_q)]
     else:
         outputs = [kv_block, kv_block]  # dk, dv
-        scratch = [_tile_bytes(block_kv, d, _WORD)] * 2
+        scratch = [_accumulator_bytes(operands.head_dim, block_kv)] * 2
     kept = INTERMEDIATES[kernel]
     tiles = kept.scores + kept.dropout * operands.dropout + kept.softcap * operands.softcap
     intermediates = tiles * scores + kept.rows * per_row + kept.operands * (block_q + block_kv) * d * size

@@ -64,7 +64,8 @@ class Estimate:
     tensorcores: int  # the cores the grid's steps are split over
     seconds: float  # estimated time per call
     fraction_of_peak: float  # useful FLOPs / seconds / the peak bf16 FLOP/s of those cores
-    other_programs: dict[str, int]  # XLA ops the same compile wrote (name: bundles), not in ``seconds``
+    # XLA ops the same compile wrote (name: scheduled bundles, loops counted once), not in ``seconds``
+    other_programs: dict[str, int]
 
 
 def enable_dump() -> Path:
@@ -245,18 +246,19 @@ def _compile_and_read(kernel: Kernel, generation: str, directory: Path):
         raise RuntimeError(f"torchattn.aot.schedule: compiling {kernel.name} wrote no files to {directory}: "
                            f"libtpu was loaded before LIBTPU_INIT_ARGS named {_FLAG}DIR")
     try:
-        programs = {key: schedule_dump.read(directory, key) for key, files in new.items()
+        analyses = {key: schedule_dump.kernel_files(directory, key)["analysis"] for key, files in new.items()
                     if not any(name.startswith(f"{key}-TLP-") for name in files)}
-        mosaic = [key for key in programs if _TPU_CUSTOM_CALL in schedule_dump.kernel_files(
-            directory, key)["analysis"].read_text()]
-        wanted = mosaic if kernel.grid else [key for key in programs if key not in mosaic]
+        mosaic = [key for key, path in analyses.items() if _TPU_CUSTOM_CALL in path.read_text()]
+        wanted = mosaic if kernel.grid else [key for key in analyses if key not in mosaic]
         if len(wanted) != 1:
             kind = "Mosaic kernel (one pallas_call)" if kernel.grid else "XLA op and no pallas_call"
             raise ValueError(f"kernel {kernel.name}: expected its compile to write one {kind}, found {len(wanted)} "
-                             f"({sorted(programs[key].path.name for key in wanted)}); measure each as its own Kernel")
-        others = {programs[key].path.name.split("-", 1)[1].rsplit("-", 2)[0]: _program_bundles(programs[key])
-                  for key in programs if key != wanted[0]}
-        return programs[wanted[0]], others
+                             f"({sorted(analyses[key].name for key in wanted)}); measure each as its own Kernel")
+        # The other programs (XLA's copies, broadcasts) are only reported, by their static size: some hold
+        # nested loops, which the reader of a kernel's single grid loop does not take.
+        others = {analyses[key].name.split("-", 1)[1].rsplit("-", 3)[0]: schedule_dump.static_bundles(directory, key)
+                  for key in analyses if key != wanted[0]}
+        return schedule_dump.read(directory, wanted[0]), others
     finally:
         if str(directory) in _owned:
             for files in new.values():

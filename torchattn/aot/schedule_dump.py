@@ -123,6 +123,11 @@ def kernel_files(directory: Path, kernel_id: str) -> dict[str, Path]:
     return found
 
 
+def static_bundles(directory: Path, kernel_id: str) -> int:
+    """The scheduled bundles of a program, its loops (if any) counted once: what its schedule analysis says."""
+    return _total_bundles(kernel_files(directory, kernel_id)["analysis"])
+
+
 def read(directory: Path, kernel_id: str) -> Schedule:
     """The schedule of the kernel whose dump files in ``directory`` start with ``kernel_id``."""
     files = kernel_files(directory, kernel_id)

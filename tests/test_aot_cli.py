@@ -41,7 +41,7 @@ def expected_blocks(blocks: BlockSizes) -> dict[str, tuple[str, str]]:
 
 
 def test_example_command_prints_each_kernel_with_default_blocks_and_hbm():
-    result = run_cli("--generation", "v5e", *LLAMA_8K)
+    result = run_cli("--generation", "v5e", *LLAMA_8K, "--backward", "split")
     assert result.returncode == 0, result.stderr
     rows = table(result.stdout)
     assert [row["kernel"] for row in rows] == KERNELS
@@ -59,7 +59,7 @@ def test_example_command_prints_each_kernel_with_default_blocks_and_hbm():
 def test_every_feature_flag_compiles():
     result = run_cli("--generation", "v5e", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
                      "--seq-len", "700", "--kv-len", "1000", "--window", "128,0", "--softcap", "30",
-                     "--segments", "--bias", "broadcast", "--dropout", "0.1")
+                     "--segments", "--bias", "broadcast", "--dropout", "0.1", "--backward", "split")
     assert result.returncode == 0, result.stderr
     assert "window=(128, 0), softcap=30.0, segments=True, bias=broadcast, dropout=0.1" in result.stdout
     rows = table(result.stdout)
@@ -70,7 +70,7 @@ def test_every_feature_flag_compiles():
 
 def test_generation_all_takes_each_generations_defaults_under_the_given_blocks():
     result = run_cli("--generation", "all", "--q-heads", "2", "--head-dim", "128", "--seq-len", "512",
-                     "--block-kv-bwd", "128")
+                     "--block-kv-bwd", "128", "--backward", "split")
     assert result.returncode == 0, result.stderr
     rows = table(result.stdout)
     assert [(row["generation"], row["kernel"]) for row in rows] == [
@@ -80,6 +80,19 @@ def test_generation_all_takes_each_generations_defaults_under_the_given_blocks()
         blocks = expected_blocks(BlockSizes(defaults.block_q, defaults.block_kv, defaults.block_q_bwd, 128))
         assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows if row["generation"] == name} \
             == blocks, name
+
+
+def test_the_backward_a_call_gets_is_the_one_compiled():
+    """Llama-3-8B at 8k tokens on v5e gets the fused backward (2 GiB of dq partials: kernels/backward.fused)."""
+    result = run_cli("--generation", "v5e", *LLAMA_8K)
+    assert result.returncode == 0, result.stderr
+    rows = {row["kernel"]: row for row in table(result.stdout)}
+    assert list(rows) == ["forward", "backward_fused", "dq_reduction"]
+    assert 0 < float(rows["backward_fused"]["vmem_est_MiB"]) < float(rows["backward_fused"]["vmem_limit_MiB"])
+    assert rows["dq_reduction"]["vmem_est_MiB"] == "-"
+    # the reduction reads 16 float32 partials per query block of 32 heads x 8192 x 128 and writes dq (bfloat16)
+    assert float(rows["dq_reduction"]["hbm_args_MiB"]) == pytest.approx(16 * 32 * 8192 * 128 * 4 / 2**20, rel=1e-3)
+    assert float(rows["dq_reduction"]["hbm_out_MiB"]) == pytest.approx(32 * 8192 * 128 * 2 / 2**20, rel=1e-3)
 
 
 def assert_one_line_failure(result: subprocess.CompletedProcess, *words: str) -> None:
@@ -92,7 +105,8 @@ def assert_one_line_failure(result: subprocess.CompletedProcess, *words: str) ->
 
 def test_schedule_prints_each_kernels_compiler_estimates():
     result = run_cli("--schedule", "--generation", "v5e", "--q-heads", "2", "--seq-len", "1024", "--head-dim", "128",
-                     "--block-q", "512", "--block-kv", "512", "--block-q-bwd", "512", "--block-kv-bwd", "512")
+                     "--block-q", "512", "--block-kv", "512", "--block-q-bwd", "512", "--block-kv-bwd", "512",
+                     "--backward", "split")
     assert result.returncode == 0, result.stderr
     assert "compiler estimates" in result.stdout.lower() and "not TPU timings" in result.stdout
     rows = table(result.stdout)

@@ -42,5 +42,5 @@ def test_huge_blocks_do_not_pad_the_tpu_kernels(device, fake_tpu):
     _, out, grads, hlo = _graph("pallas", device)
     del out, grads  # never synced: XLA:CPU cannot execute a tpu_custom_call
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    assert len(calls) == 3
+    assert len(calls) == 2  # forward, fused backward
     assert max(max(shape, default=0) for shape in array_shapes("\n".join(calls))) <= 128

@@ -12,8 +12,8 @@ Expected counts here are independent of torchattn.kernels.cost: which
 pair with ``brute_force.sees``; segment ids are data, which no kernel can skip
 a tile for, so the walk ignores them. FLOPs per visited tile are the kernels'
 matmuls, 2 * block_q * block_kv * head_dim each (128, one lane tile, or 64, which the kernels take unpadded):
-forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (+ p^T do, ds^T q).
-XLA reports FLOPs as float32, hence the relative tolerance of 1e-6.
+forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (+ p^T do, ds^T q), fused 5 (dk/dv's
+and ds k). XLA reports FLOPs as float32, hence the relative tolerance of 1e-6.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ from torchattn.block_sizes import BlockSizes
 pytest.importorskip("jax")
 pytest.importorskip("libtpu")
 
-from torchattn.aot import Attention, compile_attention  # noqa: E402
-from torchattn.kernels.cost import dkv_cost, dq_cost, forward_cost  # noqa: E402
+from torchattn.aot import Attention, compile_attention, compile_jax  # noqa: E402
+from torchattn.aot.attention import kernel_functions  # noqa: E402
+from torchattn.kernels.cost import dkv_cost, dq_cost, forward_cost, fused_cost  # noqa: E402
 
 GENERATION = "v5e"
 BLOCKS = BlockSizes(256, 256, 256, 256)
 HEAD_DIM = 128
-MATMULS = {"forward": 2, "backward_dq": 3, "backward_dkv": 4}
+MATMULS = {"forward": 2, "backward_dq": 3, "backward_dkv": 4, "backward_fused": 5}
 COMPILER_BUFFER_BYTES = 2 * 512
 
 CONFIGS = {
@@ -55,23 +56,28 @@ CONFIGS = {
 
 @functools.lru_cache(maxsize=None)
 def compiled(name: str) -> dict:
-    """{kernel name: torchattn.aot.Compiled} of one config, compiled once per session."""
-    return {c.name: c for c in compile_attention(CONFIGS[name], GENERATION, BLOCKS)}
+    """{kernel name: torchattn.aot.Compiled} of one config, both backwards, compiled once per session."""
+    kernels = {c.name: c for c in compile_attention(CONFIGS[name], GENERATION, BLOCKS, backward="split")}
+    fused = kernel_functions(CONFIGS[name], GENERATION, BLOCKS, backward="fused")
+    return kernels | {kernel: compile_jax(fn, structs, GENERATION, kernel) for kernel, fn, structs, _ in fused
+                      if kernel == "backward_fused"}
 
 
 @functools.lru_cache(maxsize=None)
-def visited_tiles(name: str) -> int:
-    """Tiles, per batch and query head, with at least one visible (query, key) pair; by brute force."""
+def visible_tiles(name: str) -> tuple[tuple[bool, ...], ...]:
+    """(q block, kv block): whether the tile has at least one visible (query, key) pair; by brute force."""
     a = CONFIGS[name]
     bq, bkv = BLOCKS.block_q, BLOCKS.block_kv  # forward and backward blocks are the same here
-    visited = 0
-    for q_start in range(0, a.q_len, bq):
-        for kv_start in range(0, a.kv_len, bkv):
-            visited += any(
-                sees(i, j, q_len=a.q_len, kv_len=a.kv_len, causal=a.causal, window=a.window, q_id=None, kv_id=None)
-                for i in range(q_start, min(q_start + bq, a.q_len))
-                for j in range(kv_start, min(kv_start + bkv, a.kv_len)))
-    return visited
+    return tuple(tuple(any(
+        sees(i, j, q_len=a.q_len, kv_len=a.kv_len, causal=a.causal, window=a.window, q_id=None, kv_id=None)
+        for i in range(q_start, min(q_start + bq, a.q_len))
+        for j in range(kv_start, min(kv_start + bkv, a.kv_len)))
+        for kv_start in range(0, a.kv_len, bkv)) for q_start in range(0, a.q_len, bq))
+
+
+def visited_tiles(name: str) -> int:
+    """Tiles, per batch and query head, with at least one visible (query, key) pair."""
+    return sum(map(sum, visible_tiles(name)))
 
 
 def expected_flops(name: str, kernel: str) -> int:
@@ -98,9 +104,16 @@ def minimum_bytes(name: str, program) -> int:
     # Less the compiler's small buffers, which are not kernel traffic: the dropout key the scalar prefetch
     # copies to SMEM and a multi-output call's tuple table (512 bytes each in its reports).
     moved = program.argument_bytes + program.output_bytes - COMPILER_BUFFER_BYTES
+    tiles = math.ceil(a.q_len / BLOCKS.block_q) * math.ceil(a.kv_len / BLOCKS.block_kv)
     if a.bias == "full":  # float32 (batch, q_heads, q_pad, kv_pad)
-        tiles = math.ceil(a.q_len / BLOCKS.block_q) * math.ceil(a.kv_len / BLOCKS.block_kv)
         moved -= (tiles - visited_tiles(name)) * a.batch * a.q_heads * BLOCKS.block_q * BLOCKS.block_kv * 4
+    if program.name == "backward_fused":  # of the dq partials, only the visible tiles' are written
+        kv_pad = math.ceil(a.kv_len / BLOCKS.block_kv) * BLOCKS.block_kv
+        others = 2 * a.batch * a.kv_heads * kv_pad * HEAD_DIM * 2  # dk, dv (bfloat16)
+        if a.bias == "full":  # and ds, every tile
+            others += a.batch * a.q_heads * tiles * BLOCKS.block_q * BLOCKS.block_kv * 4
+        written = visited_tiles(name) * a.batch * a.q_heads * BLOCKS.block_q * HEAD_DIM * 4
+        moved -= program.output_bytes - others - written
     return moved
 
 
@@ -162,9 +175,13 @@ def test_bytes_causal_skipped_tiles_fetch_nothing():
     # dk/dv walks q blocks per key block: 0, 1 | [0 skipped: stays 1], 1: 2 fetches each of q, do, lse, delta;
     # k, v read and dk, dv written once per key block: 4 x 2.
     assert dkv_cost(backward).bytes_accessed == 4 * BLOCK + 4 * ROWS + 8 * BLOCK
+    # fused: dk/dv's traffic, and a (128, 128) float32 dq partial (64 KiB) per visible tile: query block 0's
+    # slot 0 (key block 0), query block 1's slots 0 and 1; the skipped step writes nothing. ds as in dq.
+    assert fused_cost(backward, with_ds=False).bytes_accessed == 4 * BLOCK + 4 * ROWS + 8 * BLOCK + 3 * ROWS
+    assert fused_cost(backward, with_ds=True).bytes_accessed == 4 * BLOCK + 4 * ROWS + 8 * BLOCK + 7 * ROWS
 
 
-@pytest.mark.parametrize("kernel", list(MATMULS))
+@pytest.mark.parametrize("kernel", ["forward", "backward_dq", "backward_dkv"])
 def test_head_dim_64_arrays_are_not_padded_to_128_lanes(kernel):
     """The kernels take q, k and v (and give out, dq, dk, dv) with 64 lanes: the same call at head_dim 128
     has 64 more bfloat16 lanes per row in each; lse, delta and the dropout key are the same."""

@@ -12,7 +12,7 @@ from torchattn.aot import Attention
 from torchattn.block_sizes import BlockSizes
 
 torch_xla = pytest.importorskip("torch_xla")
-from torchattn.kernels import common  # noqa: E402 (imports jax)
+from torchattn.kernels import backward, common  # noqa: E402 (imports jax)
 
 BACKEND = "interpret"
 
@@ -20,6 +20,33 @@ BACKEND = "interpret"
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
 def test_matches_reference_forward_and_backward(case, device):
     check_backend(case, BACKEND, device=device)
+
+
+# The matrix's features through the backward a call does not get by default (kernels/backward.fused): GQA, MQA,
+# causal, windows (one whose first key block no query sees), segment ids, softcap, a bias with its gradient,
+# dropout, float32 and bfloat16, lengths off the block multiples, several query and key blocks.
+OTHER_BACKWARD = [
+    Case(q_heads=8, kv_heads=2, q_len=129, kv_len=129, causal=True, segments="packed"),
+    Case(batch=1, q_len=113, kv_len=1000, head_dim=64, window=(16, 0), dtype=torch.bfloat16),
+    Case(q_len=7, kv_len=129, softcap=20.0, bias="full", dropout_p=0.1),
+    Case(q_heads=8, kv_heads=1, q_len=129, kv_len=7, bias="broadcast", segments="unmatched", dtype=torch.bfloat16),
+    Case(batch=1, q_len=1000, kv_len=1000, head_dim=80, causal=True, window=(None, 8), dropout_p=0.1),
+]
+
+
+@pytest.mark.parametrize("case", OTHER_BACKWARD, ids=str)
+def test_the_backward_not_taken_by_default_matches_reference(case, device, monkeypatch):
+    """Every call takes one of the two backwards (fused, or dq and dk/dv); the matrix runs the default one,
+    this the other."""
+    default, taken = backward.fused, []
+
+    def other(spec):
+        taken.append(not default(spec))
+        return taken[-1]
+
+    monkeypatch.setattr(backward, "fused", other)
+    check_backend(case, BACKEND, device=device)
+    assert taken and len(set(taken)) == 1, f"backwards taken: {taken}"
 
 
 MASK_FREE = [Case(), Case(batch=1, q_len=128, kv_len=256, bias="broadcast"),

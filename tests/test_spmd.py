@@ -100,7 +100,7 @@ def test_broadcast_bias_gradient_is_summed_across_shards(results):
 def test_pallas_custom_calls_take_per_device_shapes(results):
     # mesh (2, 2): batch 4 / 2, heads 8 / 2 and 4 / 2, head_dim padded to 128 lanes, bfloat16.
     pallas = results["pallas"]
-    assert pallas["calls"] == 3
+    assert pallas["calls"] == 2  # forward, fused backward
     assert set(pallas["operand_shapes"]) == {f"2x4x{script.SEQ}x128", f"2x2x{script.SEQ}x128"}
 
 
@@ -114,7 +114,7 @@ def test_tpu_compiler_partitions_the_pallas_graph_per_device(results, results_fo
     compiled = compile_stablehlo((results_folder / "pallas_spmd.mlir").read_text(), "v5e", "spmd", partitions=4)
     hlo = compiled.executable.hlo_modules()[0].to_string()
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    assert len(calls) == 3
+    assert len(calls) == 2  # forward, fused backward
     for line in calls:
         assert re.search(rf"bf16\[2,[24],{script.SEQ},128\]", line), line[:300]
         assert not re.search(rf"bf16\[4,[48],{script.SEQ},128\]", line), line[:300]

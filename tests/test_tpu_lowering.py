@@ -23,7 +23,8 @@ torch_xla = pytest.importorskip("torch_xla")
 from jax import export  # noqa: E402
 
 from torchattn.aot import argument_structs  # noqa: E402
-from torchattn.kernels.backward import dkv_call, dq_call  # noqa: E402
+from torchattn.kernels import backward  # noqa: E402
+from torchattn.kernels.backward import dkv_call, dq_call, fused_call  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
 FEATURES = {
@@ -73,6 +74,7 @@ def test_each_kernel_lowers_for_tpu(params):
     _export(forward_call(spec), fwd_args)
     _export(dkv_call(spec), bwd_args)
     _export(dq_call(spec, spec.score_grad), bwd_args)
+    _export(fused_call(spec, spec.score_grad), bwd_args)
 
 
 @pytest.mark.parametrize("blocks", [dict(block_q=4, block_kv=128), dict(block_q=128, block_kv=100)])
@@ -87,11 +89,14 @@ def test_invalid_block_size_is_rejected_by_tpu_lowering(blocks):
         export.export(jax.jit(forward_call(spec)), platforms=["tpu"])(*fwd_args)
 
 
-def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
-    """The compiled path's torch_xla graph holds the three Mosaic calls with the right shapes.
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
+def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls(fused, monkeypatch):
+    """The compiled path's torch_xla graph holds the Mosaic calls with the right shapes: forward, then dq and
+    dk/dv, or the fused backward.
 
     Built only, never executed: XLA:CPU cannot run a tpu_custom_call.
     """
+    monkeypatch.setattr(backward, "fused", lambda spec: fused)
     device = torch_xla.device()
     q = torch.randn(2, 4, 200, 64, device=device)
     k, v = (torch.randn(2, 2, 300, 64, device=device) for _ in range(2))
@@ -106,9 +111,11 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls():
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     del out, lse, grads  # never synced: XLA:CPU cannot execute these
-    assert len(calls) == 3, f"expected forward, dq and dk/dv custom calls, got {len(calls)}"
+    assert len(calls) == 2 + (not fused), f"expected forward and {2 - fused} backward custom calls, got {len(calls)}"
     results = [re.search(r"= (\(.*?\)|\S+) custom-call", line).group(1) for line in calls]
     # padded: q 200 -> 256, kv 300 -> 384; head_dim 64 stays 64 (kernel_calls.kernel_head_dim), lse has 128 lanes
     assert any("f32[2,4,256,64]" in r and r.count("f32[2,4,256,128]") == 1 for r in results)  # out, lse
-    assert any("f32[2,4,256,384]" in r for r in results)  # dq kernel's score gradient for dbias
+    assert any("f32[2,4,256,384]" in r for r in results)  # dq (or fused) kernel's score gradient for dbias
     assert any(r.count("f32[2,2,384,64]") == 2 for r in results)  # dk, dv
+    if fused:  # causal, 2 x 3 blocks of 128, queries bottom-right: query block 1 sees all 3 key blocks
+        assert any("f32[2,4,3,256,64]" in r for r in results)  # the dq partials

@@ -58,8 +58,8 @@ def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(long_llama, t
     assert set(rows) == {"torchattn", "eager"}
     torchattn, eager = rows["torchattn"], rows["eager"]
     assert torchattn["fits"] == eager["fits"] == "True"
-    # Forward, dq and dk/dv kernels per layer (2 layers) reached the compiler; eager has none.
-    assert int(torchattn["tpu_custom_calls"]) >= 6 and int(eager["tpu_custom_calls"]) == 0
+    # Forward and fused backward kernels per layer (2 layers) reached the compiler; eager has none.
+    assert int(torchattn["tpu_custom_calls"]) >= 4 and int(eager["tpu_custom_calls"]) == 0
     with torch.device("meta"):
         parameters = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(
             transformers.AutoConfig.from_pretrained(long_llama)).parameters())

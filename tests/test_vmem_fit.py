@@ -20,7 +20,7 @@ jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")
 
 from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax  # noqa: E402
-from torchattn.kernels.backward import dkv_call, dq_call  # noqa: E402
+from torchattn.kernels.backward import dkv_call, dq_call, fused_call  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
 MiB = 1 << 20
@@ -37,7 +37,8 @@ def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, 
     forward_args, backward_args = argument_structs(spec)
     fn, args = {"forward": (forward_call, forward_args),
                 "backward_dq": (lambda s: dq_call(s, s.score_grad), backward_args),
-                "backward_dkv": (dkv_call, backward_args)}[kernel]
+                "backward_dkv": (dkv_call, backward_args),
+                "backward_fused": (lambda s: fused_call(s, s.score_grad), backward_args)}[kernel]
     try:
         compile_jax(fn(spec), args, generation, kernel)
     except Exception as error:  # libtpu raises XlaRuntimeError
@@ -73,6 +74,7 @@ ESTIMATE_CASES = [  # generation, kernel, head_dim, dtype, block_q, block_kv, fe
     ("v5e", "backward_dkv", 128, "bfloat16", 1024, 1024, ""),
     ("v4", "backward_dkv", 128, "bfloat16", 512, 512, "segments,bias"),
     ("v4", "forward", 256, "float32", 256, 256, "segments,bias"),
+    ("v4", "backward_fused", 128, "bfloat16", 512, 512, "segments,bias"),
 ]
 
 
@@ -159,6 +161,17 @@ def test_a_kernel_the_compiler_refuses_is_refused_by_check_fits():
     assert not _compiles(attention, "v4", "forward", 2048, 1024, None)
     with pytest.raises(ValueError, match=r"TPU v4 .*forward kernel with block_q=2048, block_kv=1024"):
         vmem.check_fits("v4", attention.vmem_operands(), BlockSizes(2048, 1024, 512, 512))
+
+
+def test_a_call_whose_fused_backward_does_not_fit_gets_the_split_one():
+    """v4 (16 MiB), head_dim 256, blocks 512, every feature: the dq and dk/dv kernels fit, the fused one,
+    holding both kernels' outputs, does not (kernels/backward.fused)."""
+    attention = Attention(batch=1, q_heads=2, kv_heads=1, q_len=1024, kv_len=1024, head_dim=256, segments=True,
+                          bias="full", dropout_p=0.1, softcap=30.0)
+    operands, limit = attention.vmem_operands(), generations.get("v4").usable_vmem_bytes
+    assert vmem.kernel_bytes(vmem.FUSED, operands, 512, 512) > limit
+    compiled = compile_attention(attention, "v4", BlockSizes(256, 256, 512, 512))
+    assert [c.name for c in compiled] == ["forward", "backward_dq", "backward_dkv"]
 
 
 def test_the_dq_kernel_holds_a_score_gradient_block_only_when_the_bias_needs_a_gradient():

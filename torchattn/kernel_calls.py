@@ -133,7 +133,7 @@ def forward(tensors: Tensors, options: Options, *, interpret: bool):
 
 def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, interpret: bool):
     """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
-    from .kernels.backward import dkv_call, dq_call
+    from .kernels import backward as kernels
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
@@ -143,14 +143,21 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
                   delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
     kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), arrays, backward=True)
     pair_grads = [array for array in spec.arrays if array.role == PAIRS and array.name in wanted]
-    dq_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)]
-    if pair_grads:
-        dq_shapes.append(((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32))
-    dq, *ds = jax_bridge.call(dq_call(spec, bool(pair_grads)), kernel_args, dq_shapes,
-                              name="torchattn.backward_dq", interpret=interpret)
+    ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
-    dk, dv = jax_bridge.call(dkv_call(spec), kernel_args, [kv_shape, kv_shape],
-                             name="torchattn.backward_dkv", interpret=interpret)
+    if kernels.fused(spec):
+        partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
+                    torch.float32)
+        dk, dv, partials, *ds = jax_bridge.call(kernels.fused_call(spec, bool(pair_grads)), kernel_args,
+                                                [kv_shape, kv_shape, partials, *ds_shape],
+                                                name="torchattn.backward_fused", interpret=interpret)
+        dq = sum_dq_partials(spec, partials).to(q.dtype)
+    else:
+        dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
+        dq, *ds = jax_bridge.call(kernels.dq_call(spec, bool(pair_grads)), kernel_args, [dq_shape, *ds_shape],
+                                  name="torchattn.backward_dq", interpret=interpret)
+        dk, dv = jax_bridge.call(kernels.dkv_call(spec), kernel_args, [kv_shape, kv_shape],
+                                 name="torchattn.backward_dkv", interpret=interpret)
     d = q.shape[3]
     grads = dict(q=dq[:, :, : spec.q_len, :d], k=dk[:, :, : spec.kv_len, :d], v=dv[:, :, : spec.kv_len, :d])
     for array in pair_grads:  # an additive term per (q, kv) pair: its gradient is ds, summed where it broadcasts
@@ -159,3 +166,11 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
         broadcast = [dim for dim in range(4) if term.shape[dim] == 1 and ds_term.shape[dim] > 1]
         grads[array.name] = (ds_term.sum(dim=broadcast, keepdim=True) if broadcast else ds_term).to(term.dtype)
     return grads
+
+
+def sum_dq_partials(spec, partials: torch.Tensor) -> torch.Tensor:
+    """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials (kernels/backward.py,
+    fused_call): the sum over each query block's slots that hold one; the others were never written."""
+    written = torch.from_numpy(spec.blocks.dq_partial_written()).to(partials.device)
+    rows = written.repeat_interleave(spec.block_q, dim=1)  # (slots, q_pad)
+    return torch.where(rows[:, :, None], partials, 0.0).sum(dim=2)

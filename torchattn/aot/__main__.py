@@ -3,8 +3,10 @@
     python -m torchattn.aot --generation v5e --batch 1 --q-heads 32 --kv-heads 8 \\
         --seq-len 8192 --head-dim 128 --causal --dtype bfloat16
 
-compiles the forward, dq and dk/dv kernels with libtpu's compiler and prints one row
-per kernel: block sizes, compile time, VMEM, HBM per call, FLOPs. With --schedule it
+compiles the forward and backward kernels with libtpu's compiler and prints one row
+per kernel: block sizes, compile time, VMEM, HBM per call, FLOPs. The backward is the
+one the call would get (--backward auto: the fused kernel and the XLA sum of its dq
+partials, or the dq and dk/dv kernels; torchattn.kernels.backward.fused), or the one named. With --schedule it
 prints instead what libtpu's own VLIW schedule of each kernel says (torchattn.aot.schedule):
 bundles per grid step (every-step work, and the once-per-row-of-tiles init/finalize),
 MXU-busy bundles, the unit that bounds the step, estimated time per call and fraction of
@@ -24,7 +26,7 @@ from .. import api, generations
 from ..block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
 from . import schedule
-from .attention import BIAS_KINDS, Attention, compile_attention
+from .attention import BACKWARDS, BIAS_KINDS, Attention, compile_attention
 
 MiB = 1 << 20
 
@@ -36,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="TPU generation to compile for; 'all' compiles for each")
     parser.add_argument("--schedule", action="store_true",
                         help="report each kernel's compiled schedule and the time it estimates (not a TPU timing)")
+    parser.add_argument("--backward", choices=BACKWARDS, default="auto",
+                        help="auto: the backward a call gets; fused: one kernel and a sum of dq partials; "
+                             "split: the dq and dk/dv kernels")
     shape = parser.add_argument_group("shapes")
     shape.add_argument("--batch", type=_positive_int(), default=1)
     shape.add_argument("--q-heads", type=_positive_int(), required=True)
@@ -147,15 +152,17 @@ def describe(attention: Attention) -> str:
 
 
 def rows(generation: str, blocks: BlockSizes, estimates: dict[str, int], compiled: list) -> list[list[str]]:
-    """One table row per compiled kernel (forward, backward_dq, backward_dkv)."""
+    """One table row per compiled kernel (forward, backward_dq, backward_dkv or backward_fused, dq_reduction:
+    an XLA op, no VMEM estimate)."""
     vmem_limit = generations.get(generation).usable_vmem_bytes
     forward, backward = (blocks.block_q, blocks.block_kv), (blocks.block_q_bwd, blocks.block_kv_bwd)
     out = []
     for kernel in compiled:
         block_q, block_kv = forward if kernel.name == "forward" else backward
-        mib = [vmem_limit, estimates[kernel.name], kernel.argument_bytes, kernel.output_bytes, kernel.temp_bytes]
+        vmem = (vmem_limit, estimates[kernel.name]) if kernel.name in estimates else (None, None)  # not a kernel
+        mib = [*vmem, kernel.argument_bytes, kernel.output_bytes, kernel.temp_bytes]
         out.append([generation, kernel.name, str(block_q), str(block_kv), f"{kernel.seconds:.1f}",
-                    *(f"{n / MiB:.1f}" for n in mib), f"{kernel.flops / 1e9:.1f}"])
+                    *("-" if n is None else f"{n / MiB:.1f}" for n in mib), f"{kernel.flops / 1e9:.1f}"])
     return out
 
 
@@ -202,10 +209,13 @@ def main(argv=None) -> int:
         try:
             if args.schedule:
                 body += schedule_rows(generation, blocks, schedule.measure(
-                    schedule.torchattn_kernels(attention, generation, blocks), generation))
+                    schedule.torchattn_kernels(attention, generation, blocks, args.backward), generation))
             else:
-                body += rows(generation, blocks, vmem.needs(attention.vmem_operands(), blocks),
-                             compile_attention(attention, generation, blocks))
+                operands = attention.vmem_operands()
+                estimates = {**vmem.needs(operands, blocks), vmem.FUSED: vmem.kernel_bytes(
+                    vmem.FUSED, operands, blocks.block_q_bwd, blocks.block_kv_bwd)}
+                body += rows(generation, blocks, estimates,
+                             compile_attention(attention, generation, blocks, args.backward))
         except (RuntimeError, ValueError) as error:  # XlaRuntimeError is a RuntimeError
             failures.append(f"torchattn.aot: {generation} with {blocks} does not compile: {first_line(error)}")
     if body:

@@ -1,4 +1,4 @@
-"""torchattn's forward, dq and dk/dv kernels compiled for a TPU generation, from shapes alone."""
+"""torchattn's forward and backward kernels compiled for a TPU generation, from shapes alone."""
 
 from __future__ import annotations
 
@@ -79,9 +79,14 @@ def argument_structs(spec):
                  for backward in (False, True))
 
 
-def compile_attention(attention: Attention, generation: str,
-                      block_sizes: BlockSizes | None = None) -> list[Compiled]:
-    """Compiles the forward, dq and dk/dv kernels of ``attention`` for ``generation``.
+BACKWARDS = ("auto", "fused", "split")  # the call's own choice (kernels/backward.fused), or one of the two
+
+
+def compile_attention(attention: Attention, generation: str, block_sizes: BlockSizes | None = None,
+                      backward: str = "auto") -> list[Compiled]:
+    """Compiles the forward and backward kernels of ``attention`` for ``generation``: the forward, then the
+    fused backward and the XLA sum of its dq partials, or the dq and dk/dv kernels (``backward``: the one a
+    call would get, or the one named).
 
     block_sizes default to the generation's (``BlockSizes.default``); given ones are
     clamped to the lengths as a call would clamp them. Raises ValueError
@@ -90,16 +95,20 @@ def compile_attention(attention: Attention, generation: str,
     when the arrays do not fit in HBM).
     """
     return [compile_jax(fn, structs, generation, name)
-            for name, fn, structs, _ in kernel_functions(attention, generation, block_sizes)]
+            for name, fn, structs, _ in kernel_functions(attention, generation, block_sizes, backward)]
 
 
-def kernel_functions(attention: Attention, generation: str,
-                     block_sizes: BlockSizes | None = None) -> list[tuple]:
-    """(name, jax function, argument structs, KernelSpec) of the forward, dq and dk/dv kernels, block
-    sizes as :func:`compile_attention` takes them (and refused as it refuses them)."""
-    from ..kernels.backward import dkv_call, dq_call
+def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSizes | None = None,
+                     backward: str = "auto") -> list[tuple]:
+    """(name, jax function, argument structs, KernelSpec) of the kernels :func:`compile_attention`
+    compiles, block sizes and ``backward`` as it takes them (and refused as it refuses them)."""
+    from ..kernels.backward import dkv_call, dq_call, fused, fused_call
     from ..kernels.forward import forward_call
+    import jax
+    import jax.numpy as jnp
 
+    if backward not in BACKWARDS:
+        raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
     blocks = (block_sizes.clamped(attention.q_len, attention.kv_len) if block_sizes is not None
               else attention.default_block_sizes(generation))
     # Blocks too large for the chip's VMEM are refused as a call would refuse them, before compiling.
@@ -107,6 +116,24 @@ def kernel_functions(attention: Attention, generation: str,
     fwd_spec, bwd_spec = attention.specs(blocks, generation)
     fwd_args, _ = argument_structs(fwd_spec)
     _, bwd_args = argument_structs(bwd_spec)
-    return [("forward", forward_call(fwd_spec), fwd_args, fwd_spec),
-            ("backward_dq", dq_call(bwd_spec, bwd_spec.score_grad), bwd_args, bwd_spec),
-            ("backward_dkv", dkv_call(bwd_spec), bwd_args, bwd_spec)]
+    forward = [("forward", forward_call(fwd_spec), fwd_args, fwd_spec)]
+    if backward == "fused" or (backward == "auto" and fused(bwd_spec)):
+        partials = jax.ShapeDtypeStruct((bwd_spec.batch, bwd_spec.q_heads, bwd_spec.blocks.dq_partial_slots,
+                                         bwd_spec.q_pad, bwd_spec.head_dim), jnp.float32)
+        return forward + [("backward_fused", fused_call(bwd_spec, bwd_spec.score_grad), bwd_args, bwd_spec),
+                          ("dq_reduction", dq_reduction(bwd_spec), [partials], bwd_spec)]
+    return forward + [("backward_dq", dq_call(bwd_spec, bwd_spec.score_grad), bwd_args, bwd_spec),
+                      ("backward_dkv", dkv_call(bwd_spec), bwd_args, bwd_spec)]
+
+
+def dq_reduction(spec):
+    """The XLA op the torch side runs after the fused backward (torchattn.kernel_calls.sum_dq_partials), in
+    jax: dq partials -> dq in the call's dtype."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rows = np.repeat(spec.blocks.dq_partial_written(), spec.block_q, axis=1)  # (slots, q_pad)
+
+    def reduce(partials):
+        return jnp.where(rows[:, :, None], partials, 0.0).sum(axis=2).astype(spec.dtype)
+    return reduce

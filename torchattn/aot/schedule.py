@@ -144,39 +144,51 @@ def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int]) ->
             for steps, region in zip(kernel.path_steps, regions)]
 
 
-def torchattn_kernels(attention, generation: str, block_sizes=None) -> list[Kernel]:
-    """torchattn's forward, dq and dk/dv kernels of ``attention`` (a torchattn.aot.Attention) on
-    ``generation``, block sizes as ``compile_attention`` takes them. Useful FLOPs count the query-key
-    pairs the causal/window band leaves (segment ids are data: all pairs count), at the true head_dim:
-    forward 2 matmuls, dq 3, dk/dv 4. A step's DMA bytes are the kernel's cost estimate's HBM bytes
-    (torchattn/kernels/cost.py: skipped tiles move nothing) over its visible steps."""
+def torchattn_kernels(attention, generation: str, block_sizes=None, backward: str = "auto") -> list[Kernel]:
+    """torchattn's kernels of ``attention`` (a torchattn.aot.Attention) on ``generation``, block sizes and
+    ``backward`` as ``compile_attention`` takes them. Useful FLOPs count the query-key pairs the
+    causal/window band leaves (segment ids are data: all pairs count), at the true head_dim: forward 2
+    matmuls, dq 3, dk/dv 4, fused 5. A step's DMA bytes are the kernel's cost estimate's HBM bytes
+    (torchattn/kernels/cost.py: skipped tiles move nothing) over its visible steps. The fused backward's
+    dq reduction is an XLA op (grid ()): it reads every partial slot and writes dq."""
     import numpy as np
 
-    from ..kernels import cost
+    from ..kernels import arguments, cost
     from .attention import kernel_functions
 
     kernels = []
-    for name, fn, structs, spec in kernel_functions(attention, generation, block_sizes):
+    for name, fn, structs, spec in kernel_functions(attention, generation, block_sizes, backward):
+        if name == "dq_reduction":  # reads every partial slot, writes dq
+            dq_elements = spec.batch * spec.q_heads * spec.q_pad * spec.head_dim
+            kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=(), visible_steps=1, rows=1,
+                                  dma_bytes_per_step=dq_elements * (4 * spec.blocks.dq_partial_slots
+                                                                    + arguments.ITEMSIZE[spec.dtype]),
+                                  useful_flops=0.0))
+            continue
         q_blocks, kv_blocks = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
         visible = attention.batch * attention.q_heads * int(spec.blocks.visible(q_blocks, kv_blocks, np).sum())
+        kv_grid = (spec.batch, spec.kv_heads, spec.num_kv_blocks, spec.groups * spec.num_q_blocks)
         grid, estimate, matmuls = {
             "forward": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
                         cost.forward_cost(spec), 2),
             "backward_dq": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
                             cost.dq_cost(spec, spec.score_grad), 3),
-            "backward_dkv": ((spec.batch, spec.kv_heads, spec.num_kv_blocks, spec.groups * spec.num_q_blocks),
-                             cost.dkv_cost(spec), 4)}[name]
+            "backward_dkv": (kv_grid, cost.dkv_cost(spec), 4),
+            "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad), 5)}[name]
         pairs = attention.batch * attention.q_heads * _band_pairs(attention)
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
                               useful_flops=2.0 * matmuls * pairs * attention.head_dim,
-                              path_steps=_path_steps(spec, name == "backward_dq" and spec.score_grad)))
+                              path_steps=_path_steps(spec, spec.score_grad and name in WRITES_DS)))
     return kernels
+
+
+WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
 def _path_steps(spec, zeroed_skips: bool) -> tuple[int, ...]:
     """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_paths: mask-free full tiles,
-    then masked ones), then, when ``zeroed_skips`` (dq writing ds), the skipped tiles whose ds is zeroed; ()
+    then masked ones), then, when ``zeroed_skips`` (a kernel writing ds), the skipped tiles whose ds is zeroed; ()
     for a kernel with one path and nothing else predicated per step."""
     import numpy as np
 

@@ -10,8 +10,13 @@ rowsum(do * out) - dlse, computed outside the kernels.
 - dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks): the
   innermost axis walks every query head of the group and every query block, so
   GQA gradients are summed in VMEM without repeating K/V.
+- fused kernel, the dk/dv kernel's grid: p, dp and ds of each tile once for all three gradients (5
+  matmuls where the two kernels above do 7); dk, dv as the dk/dv kernel; each visible tile's
+  dlogits @ k as a float32 dq partial (:meth:`BlockGeometry.dq_partial_slot`), summed over key
+  blocks on the torch side; ds as the dq kernel writes it. Which of the two backwards a call gets:
+  :func:`fused`.
 
-Below 128 lanes of head_dim both accumulate their gradients transposed, (head_dim, rows)
+Below 128 lanes of head_dim the kernels accumulate their gradients transposed, (head_dim, rows)
 (``KernelSpec.transposed_gradients``), and transpose them once, into the output block.
 """
 
@@ -24,10 +29,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import arguments
+from .. import generations
+from . import arguments, vmem
 from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes, load,
                      pallas_function, q_grid_coords, tile_paths)
-from .cost import dkv_cost, dq_cost
+from .cost import dkv_cost, dq_cost, fused_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _NN = (((1,), (0,)), ((), ()))  # a @ b
@@ -111,34 +117,75 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
         dq_ref[...] = _untransposed(spec, dq_acc[...]).astype(dq_ref.dtype)
 
 
-def dkv_kernel(key_ref, *refs, spec: KernelSpec):
-    inputs, (dk_ref, dv_ref, dk_acc, dv_acc) = arguments.unpack(spec, refs, backward=True)
+def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: bool = False):
+    """The dk/dv kernel; ``fused``: also each tile's dq partial (and ``with_ds`` its ds), the fused kernel."""
+    inputs, (dk_ref, dv_ref, *refs) = arguments.unpack(spec, refs, backward=True)
+    dq_ref = refs.pop(0) if fused else None
+    ds_ref = refs.pop(0) if with_ds else None
+    dk_acc, dv_acc = refs
     batch, kv_head, kv_block, step = (pl.program_id(i) for i in range(4))
     head = kv_head * spec.groups + step // spec.num_q_blocks
     q_block = step % spec.num_q_blocks
+    visible = spec.blocks.visible(q_block, kv_block, jnp)
 
     @pl.when(step == 0)
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
+    visible = spec.blocks.visible(q_block, kv_block, jnp)
+
     def tile(masked: bool):
-        q, do = inputs["q"][...], inputs["do"][...]
-        p, _, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
-                                        q, inputs["k"][...], do, masked)
+        q, k, do = inputs["q"][...], inputs["k"][...], inputs["do"][...]
+        p, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked)
+        dlogits = dlogits.astype(q.dtype)
         if spec.transposed_gradients:  # dv^T, dk^T (head_dim, block_kv)
             dv_acc[...] += _dot(do, p.astype(do.dtype), _TN)
-            dk_acc[...] += _dot(q, dlogits.astype(q.dtype), _TN) * spec.options.scale
+            dk_acc[...] += _dot(q, dlogits, _TN) * spec.options.scale
         else:
             dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
-            dk_acc[...] += _dot(dlogits.astype(q.dtype), q, _TN) * spec.options.scale
+            dk_acc[...] += _dot(dlogits, q, _TN) * spec.options.scale
+        if fused:
+            dq_ref[...] = _dot(dlogits, k, _NN) * spec.options.scale
+        if with_ds:
+            ds_ref[...] = ds
 
-    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
+    tile_paths(spec, q_block, kv_block, visible, tile)
+
+    if with_ds:
+        @pl.when(jnp.logical_not(visible))
+        def _zero_ds():  # every ds block is written: skipped blocks have zero gradient
+            ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():
         dk_ref[...] = _untransposed(spec, dk_acc[...]).astype(dk_ref.dtype)
         dv_ref[...] = _untransposed(spec, dv_acc[...]).astype(dv_ref.dtype)
+
+
+PARTIALS_HBM_FRACTION = 1 / 8  # of the chip's HBM the fused backward's dq partials may take
+
+
+def fused(spec: KernelSpec) -> bool:
+    """Whether a call's backward is the fused kernel (else the dq and dk/dv kernels), static per spec.
+
+    Measured with libtpu's schedule (docs/kernels.md), the fused kernel and its dq reduction beat the
+    two kernels at every shape tried (v5e, v6e; 2k and 8k tokens; MHA, GQA 32/8; causal or not; blocks
+    512 and the defaults), by 13-28 %: the saved matmuls and exps outweigh the partials' HBM traffic,
+    and both grow with the tiles, so no length makes the split faster. What grows past a chip is the
+    partials' memory, float32 (batch, q_heads, slots, q_pad, head_dim): 2 GiB at 8k tokens and 32
+    heads, 32 GiB at 32k. So: fused when its partials take at most PARTIALS_HBM_FRACTION of the
+    generation's HBM (a judgment: they share it with the step's activations) and it fits its VMEM;
+    off a TPU (no generation) always.
+    """
+    if spec.options.generation is None:
+        return True
+    chip = generations.get(spec.options.generation)
+    partials = spec.batch * spec.q_heads * spec.blocks.dq_partial_slots * spec.q_pad * spec.head_dim * 4
+    operands = vmem.Operands(head_dim=spec.head_dim, dtype=spec.dtype, extra=spec.arrays[3:],
+                             dropout=spec.options.dropout_p > 0, softcap=spec.options.softcap is not None)
+    return (partials <= PARTIALS_HBM_FRACTION * chip.hbm_bytes
+            and vmem.kernel_bytes(vmem.FUSED, operands, spec.block_q, spec.block_kv) <= chip.usable_vmem_bytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -170,18 +217,44 @@ def dkv_call(spec: KernelSpec):
 
     dk, dv: like k and v. Memoised per spec.
     """
-    bkv, d, g, nq = spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
+    return _kv_grid_call(spec, fused=False, with_ds=False)
+
+
+@functools.lru_cache(maxsize=None)
+def fused_call(spec: KernelSpec, with_ds: bool):
+    """jax function (dropout_key, q, k, v, do, lse, delta, [segment_ids, kv_segment_ids], [bias]) ->
+    (dk, dv, dq partials, [ds]).
+
+    dq partials: float32 (batch, q_heads, ``spec.blocks.dq_partial_slots``, q_pad, head_dim), slot s of
+    query block i the partial of the s-th key block it sees, for s < ``spec.blocks.kv_blocks_seen(i)``
+    (others unwritten: :func:`dq_partial_mask`); ds as :func:`dq_call` writes it. Memoised per spec.
+    """
+    return _kv_grid_call(spec, fused=True, with_ds=with_ds)
+
+
+def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
+    bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
 
     def coords(b, hk, j, t):  # t walks (query head in the group, query block); skipped steps re-use a fetched block
         return b, hk * g + t // nq, hk, spec.blocks.fetched_q_block(j, t % nq, jnp), j
 
     in_specs = block_specs(spec, coords, backward=True)
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
+    out_specs = [block_spec(spec, arguments.named(spec, name), coords) for name in ("k", "v")]  # like k, v
+    out_shape = [kv_shape, kv_shape]
+    if fused:
+        slots = spec.blocks.dq_partial_slots
+        out_specs.append(pl.BlockSpec((None, None, None, bq, d), lambda b, hk, j, t, key_ref: (
+            b, hk * g + t // nq, spec.blocks.dq_partial_slot(j, t % nq, jnp), coords(b, hk, j, t)[3], 0)))
+        out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, slots, spec.q_pad, d), jnp.float32))
+    if with_ds:
+        out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, hk, j, t, key_ref: (
+            b, hk * g + t // nq, t % nq, j)))
+        out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
     return pallas_function(
-        functools.partial(dkv_kernel, spec=spec),
+        functools.partial(dkv_kernel, spec=spec, fused=fused, with_ds=with_ds),
         spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
-        in_specs=in_specs, out_specs=[block_spec(spec, arguments.named(spec, name), coords)
-                                      for name in ("k", "v")],  # dk, dv are laid out like k, v
-        out_shape=[kv_shape, kv_shape],
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM(_accumulator(spec, bkv), jnp.float32)] * 2,
-        name="torchattn_backward_dkv", cost_estimate=dkv_cost(spec))
+        name="torchattn_backward_fused" if fused else "torchattn_backward_dkv",
+        cost_estimate=fused_cost(spec, with_ds) if fused else dkv_cost(spec))

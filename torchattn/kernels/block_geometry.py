@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .. import masks
 
 
@@ -86,6 +88,35 @@ class BlockGeometry:
     def fetched_q_block(self, kv_block, q_block, xp):
         """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``q_block``."""
         return self.transposed().fetched_kv_block(kv_block, q_block, xp)
+
+    def kv_blocks_seen(self, q_block, xp):
+        """How many key blocks query block ``q_block`` sees: a run from its first (:meth:`fetched_kv_block`)."""
+        first, last = self._keys_seen(q_block, xp)
+        return xp.maximum(last // self.block_kv - first // self.block_kv + 1, 0)
+
+    @property
+    def dq_partial_slots(self) -> int:
+        """Slots per query block of the fused backward's dq partials: one per key block of the longest run a
+        query block sees, and a spare one written by the steps of key blocks no query block sees."""
+        q_blocks = np.arange(-(-self.q_len // self.block_q))
+        kv_blocks = np.arange(-(-self.kv_len // self.block_kv))
+        seen = self.visible(q_blocks[:, None], kv_blocks[None, :], np)
+        return int(self.kv_blocks_seen(q_blocks, np).max()) + int(not seen.any(axis=0).all())
+
+    def dq_partial_written(self) -> np.ndarray:
+        """bool (dq_partial_slots, q blocks): which slots of each query block hold a dq partial."""
+        q_blocks = np.arange(-(-self.q_len // self.block_q))
+        seen = np.broadcast_to(self.kv_blocks_seen(q_blocks, np), q_blocks.shape)  # a scalar without a band
+        return np.arange(self.dq_partial_slots)[:, None] < seen[None, :]
+
+    def dq_partial_slot(self, kv_block, q_block, xp):
+        """The slot the fused backward's step at (key block, q step) writes its dq partial to, in the row of
+        the query block it fetches: the key block's place in that query block's run, so slot s of query
+        block i holds a partial iff s < ``kv_blocks_seen(i)``. A skipped step writes the block of the
+        visible step it fetches (unchanged, so nothing else), or the spare slot if its key block has none."""
+        fetched = self.fetched_q_block(kv_block, q_block, xp)
+        first = self._keys_seen(fetched, xp)[0] // self.block_kv
+        return xp.where(self.visible(fetched, kv_block, xp), kv_block - first, self.dq_partial_slots - 1)
 
     def _keys_seen(self, q_block, xp):
         """(first, last) key some query of the block sees, within [0, kv_len) unless last < 0: none is.

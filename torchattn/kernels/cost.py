@@ -12,7 +12,7 @@ the TPU), so the kernels' own block geometry (``KernelSpec.blocks``, see
   (causal, window and padding skipping; segment ids are data and never skip a
   tile), ``2 * block_q * block_kv * head_dim`` each (head_dim as the kernels' arrays
   hold it, kernels/arguments.py): forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (q k^T,
-  do v^T, p^T do, ds^T q). Elementwise work (softmax, masks, bias, dropout) is
+  do v^T, p^T do, ds^T q), fused 5 (dk/dv's and ds k). Elementwise work (softmax, masks, bias, dropout) is
   not counted.
 - transcendentals: per visited tile, exp of every score, and tanh of every
   score with softcap; the forward also the exp of the rescale factor per row of
@@ -38,7 +38,7 @@ from ..roles import PAIRS, Q_ROWS
 from . import arguments
 from .common import KernelSpec
 
-_WORD = 4  # bytes of a float32 score gradient (ds)
+_WORD = 4  # bytes of a float32 score gradient (ds) or dq partial
 
 
 def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
@@ -65,6 +65,21 @@ def dkv_cost(spec: KernelSpec) -> pl.CostEstimate:
     grid = _Grid.of_kv_grid(spec)
     written = grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))  # dk, dv
     return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0,
+                     bytes_accessed=_input_bytes(spec, grid, backward=True) + written)
+
+
+def fused_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
+    """Fused backward kernel, the dk/dv grid: dk, dv, a float32 dq partial per visible tile (a skipped step
+    writes the block of the visible step it fetches, or a spare one: see BlockGeometry.dq_partial_slot),
+    and with ``with_ds`` the score gradient of every tile."""
+    grid = _Grid.of_kv_grid(spec)
+    slot = spec.blocks.dq_partial_slot(grid.kv_block, grid.q_block, np)  # q_block is already the fetched one
+    partials = grid.transfers([grid.batch, grid.kv_head], [grid.group, slot, grid.q_block])
+    written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))
+               + partials * spec.block_q * spec.head_dim * _WORD)
+    if with_ds:
+        written += len(grid.batch) * len(grid.visible) * spec.block_q * spec.block_kv * _WORD
+    return _estimate(spec, grid.tiles_visited(), matmuls=5, extra_transcendentals=0,
                      bytes_accessed=_input_bytes(spec, grid, backward=True) + written)
 
 

@@ -12,8 +12,8 @@ A kernel holds in VMEM:
   tiles (the compiler lays such arrays out as T(8,128));
 - its scratch (forward.py, backward.py), float32: the forward's running max and
   denominator (block_q, 128) and accumulator (block_q, head_dim); dq's
-  accumulator (block_q, head_dim); dk/dv's two (block_kv, head_dim); the
-  backward's transposed, (head_dim, rows), below 128 lanes;
+  accumulator (block_q, head_dim); dk/dv's (and the fused kernel's) two (block_kv,
+  head_dim); the backward's transposed, (head_dim, rows), below 128 lanes;
 - the compiler's intermediates, :data:`INTERMEDIATES`, measured.
 
 Calibration against libtpu 0.0.21: the need of a kernel is the smallest
@@ -22,7 +22,8 @@ the first failure, then bisected to 2%. (Further down the compiler can succeed
 again by buffering blocks once instead of twice, a slower kernel.) Over 71
 configurations (v5e unless named; v4, v5p, v6e alike) the estimate is never
 below the need and at most 1.37x above it, 1.65x for needs under 4 MiB; it must
-stay within 1.5x + 1 MiB (tests/test_vmem_fit.py measures a few again). MiB:
+stay within 1.5x + 1 MiB (tests/test_vmem_fit.py measures a few again). The
+fused backward, over 10 more: 1.11x to 1.40x. MiB:
 
     kernel        head_dim dtype     blocks     features                   need  estimate
     forward       128      bfloat16  1024x128   -                          5.66   6.05
@@ -39,6 +40,11 @@ stay within 1.5x + 1 MiB (tests/test_vmem_fit.py measures a few again). MiB:
     backward_dkv  128      bfloat16  512x1024   broadcast bias             8.01  10.50
     v4 forward    128      bfloat16  512x512    segments, bias             6.56   6.91
     v6e dq        128      bfloat16  1024x1024  segments, bias            31.05  32.69
+    backward_fused 128     bfloat16  512x512    -                          4.55   6.37
+    backward_fused 128     bfloat16  1024x1024  (all of the above)        37.30  41.81
+    backward_fused 256     float32   1024x1024  -                         29.56  33.00
+    v4 fused      128      bfloat16  512x512    segments, bias             9.83  10.91
+    v6e fused     128      bfloat16  1024x1024  segments, bias            30.23  33.81
 
 Below 128 lanes (arguments.narrow) the same estimate is an upper bound that the intermediates were not
 calibrated for: the compiler needs far less there (v5e, head_dim 64, 8 q / 4 kv heads, 8192 tokens:
@@ -57,7 +63,8 @@ from ..tiling import LANES, SUBLANES, round_up
 from . import arguments
 
 MiB = 1 << 20
-KERNELS = ("forward", "backward_dq", "backward_dkv")
+KERNELS = ("forward", "backward_dq", "backward_dkv")  # every call fits these (check_fits)
+FUSED = "backward_fused"  # a call gets it only if it fits too (kernels/backward.fused)
 _ITEMSIZE = {"float32": 4, "bfloat16": 2}
 _WORD = 4  # bytes in a VMEM tile element (32 bits)
 _BUFFERS = 2  # double buffering of every pipelined block
@@ -79,6 +86,7 @@ INTERMEDIATES = {
     "forward": Intermediates(scores=1.0, rows=3.0, operands=1.5, dropout=0.25, softcap=0.25),
     "backward_dq": Intermediates(scores=2.25, rows=0.0, operands=3.25, dropout=0.75, softcap=0.5),
     "backward_dkv": Intermediates(scores=2.5, rows=0.0, operands=2.5, dropout=1.0, softcap=1.0),
+    FUSED: Intermediates(scores=2.0, rows=0.0, operands=3.5, dropout=1.0, softcap=1.0),
 }
 
 
@@ -124,9 +132,9 @@ def _accumulator_bytes(head_dim: int, rows: int) -> int:
 
 
 def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -> int:
-    """VMEM ``kernel`` ("forward", "backward_dq", "backward_dkv") needs at these block sizes."""
-    if kernel not in KERNELS:
-        raise ValueError(f"kernel: expected one of {KERNELS}, got {kernel!r}")
+    """VMEM ``kernel`` ("forward", "backward_dq", "backward_dkv", "backward_fused") needs at these block sizes."""
+    if kernel not in INTERMEDIATES:
+        raise ValueError(f"kernel: expected one of {tuple(INTERMEDIATES)}, got {kernel!r}")
     size = _ITEMSIZE[operands.dtype]
     d = round_up(operands.head_dim, LANES)
     q_block, kv_block = _tile_bytes(block_q, d, size), _tile_bytes(block_kv, d, size)
@@ -145,6 +153,8 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
         scratch = [_accumulator_bytes(operands.head_dim, block_q)]
     else:
         outputs = [kv_block, kv_block]  # dk, dv
+        if kernel == FUSED:  # a float32 dq partial, and ds
+            outputs += [_tile_bytes(block_q, d, _WORD)] + ([scores] if operands.score_grad else [])
         scratch = [_accumulator_bytes(operands.head_dim, block_kv)] * 2
     kept = INTERMEDIATES[kernel]
     tiles = kept.scores + kept.dropout * operands.dropout + kept.softcap * operands.softcap

@@ -95,9 +95,9 @@ def forward(seq_len: int, block_kv: int, causal: bool) -> schedule.Kernel:
 
 
 def backward(head_dim: int) -> list[schedule.Kernel]:
-    """The dq and dk/dv kernels at 2048 tokens, 8 heads, blocks 512."""
+    """The split backward's dq and dk/dv kernels at 2048 tokens, 8 heads, blocks 512."""
     attention = Attention(batch=1, q_heads=8, kv_heads=8, q_len=2048, kv_len=2048, head_dim=head_dim)
-    return schedule.torchattn_kernels(attention, GENERATION, BlockSizes(512, 512, 512, 512))[1:]
+    return schedule.torchattn_kernels(attention, GENERATION, BlockSizes(512, 512, 512, 512), backward="split")[1:]
 
 
 def described(kernel: schedule.Kernel, estimate: schedule.Estimate) -> dict:

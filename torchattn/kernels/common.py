@@ -15,7 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import dropout, masks
 from ..roles import PAIRS
-from ..tiling import LANES
+from ..tiling import LANES, SUBLANES
 from . import arguments
 from .block_geometry import BlockGeometry
 
@@ -102,9 +102,9 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias,
 
     q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
     kv_ids: (SUBLANES, block_kv) or None; bias: (block_q or 1, block_kv or 1) or None.
-    ``masked``: False on a full tile (:func:`tile_paths`), which needs no mask. Returns (scores float32
-    with masked entries -inf, visible bool or None when not masked, capped tanh or None); the tanh is kept
-    for the softcap gradient.
+    ``masked``: False on a full tile (:func:`tile_paths`), which needs no band or padding mask, only the
+    segment ids' compare if there are ids. Returns (scores float32 with masked entries -inf, visible bool or
+    None when nothing is masked, capped tanh or None); the tanh is kept for the softcap gradient.
     """
     bq, bkv = q.shape[0], k.shape[0]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -116,12 +116,17 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias,
         s = options.softcap * capped
     if bias is not None:
         s = s + bias.astype(jnp.float32)
+    if q_ids is not None:
+        # (block_q, block_kv) both, by repeating whole vregs: the query ids fill all 128 lanes of their rows,
+        # the key ids all 8 sublanes of their columns (kernels/arguments.py).
+        q_ids, kv_ids = lanes(q_ids, bkv), pltpu.repeat(kv_ids, bq // SUBLANES, axis=0)
     if not masked:
-        return s, None, capped
+        if q_ids is None:
+            return s, None, capped
+        keep = q_ids == kv_ids
+        return jnp.where(keep, s, -jnp.inf), keep, capped
     rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
     cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
-    if q_ids is not None:
-        q_ids, kv_ids = q_ids[:, :1], kv_ids[:1, :]  # (block_q, 1), (1, block_kv): one lane, one sublane
     # Padded query rows see nothing, so their lse is -inf.
     left, right = options.bounds
     keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=left, right=right,
@@ -134,13 +139,11 @@ MASK_FREE, MASKED = "mask-free", "masked"
 
 def paths(spec: KernelSpec) -> tuple[str, ...]:
     """The tile paths the kernels of ``spec`` build, in program order: mask-free for full tiles (every pair
-    visible by the band and the lengths, BlockGeometry.full), masked for the other visible ones. Segment ids
-    (data) mask every tile; a call without band and padding has only full tiles; a path no tile takes is
-    not built."""
+    visible by the band and the lengths, BlockGeometry.full: no band or padding mask; segment ids, which are
+    data, still compared), masked for the other visible ones. A call without band and padding has only full
+    tiles; a path no tile takes is not built."""
     import numpy as np
 
-    if any(array.name == "segment_ids" for array in spec.arrays):
-        return (MASKED,)
     if spec.blocks.every_tile_full:
         return (MASK_FREE,)
     q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))

@@ -1,6 +1,7 @@
 """scripts/bench_schedule.py --quick end to end: every implementation's kernels compiled for v5e and read from
-libtpu's schedule, one CSV row per (configuration, implementation), and a PNG. A subprocess: libtpu reads the
-dump flag when it loads, and this test process may have loaded it already."""
+libtpu's schedule, one CSV row per (configuration, implementation), and a PNG; and torchattn's forward and
+fwd+bwd take no more bundles per grid step than splash's at the same configs and blocks. A subprocess: libtpu
+reads the dump flag when it loads, and this test process may have loaded it already."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ IMPLEMENTATIONS = ["torchattn", "splash", "splash-fused", "flash"]
 
 
 def test_quick_grid_runs_end_to_end(tmp_path):
+    # Blocks 512 for every kernel of every implementation: the representative config of the comparison below.
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_schedule.py"), "--quick",
-                           "--generation", "v5e", "--out-dir", str(tmp_path)],
+                           "--generation", "v5e", "--blocks", "512", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "[v5e 2/2]" in done.stdout  # progress, one line per configuration
@@ -45,3 +47,14 @@ def test_quick_grid_runs_end_to_end(tmp_path):
             assert float(ours[f"ratio_{part}"]) == pytest.approx(float(ours[f"{part}_s"]) / best, rel=1e-3)
     with open(tmp_path / "schedule-v5e.png", "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    # The speed the kernels hold, at issue 21's representative config (MHA, 2048 tokens, head_dim 128, not
+    # causal, blocks 512): compiler outputs compared, no stored number.
+    ours, splash, fused = [row for row in rows if row["causal"] == "False"][:3]
+    assert int(ours["forward_step_bundles"]) <= int(splash["forward_step_bundles"])
+    assert _fwd_bwd_step_bundles(ours) <= min(_fwd_bwd_step_bundles(splash), _fwd_bwd_step_bundles(fused))
+
+
+def _fwd_bwd_step_bundles(row) -> int:
+    """Bundles of one grid step of each of the row's kernels (the XLA dq reduction has no grid steps)."""
+    kernels = ("forward", "backward_dq", "backward_dkv", "backward_fused")
+    return sum(int(row[f"{kernel}_step_bundles"]) for kernel in kernels if row[f"{kernel}_step_bundles"])

@@ -9,6 +9,10 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 # compiles many graphs otherwise exhausts vm.max_map_count ("LLVM compilation
 # error: Cannot allocate memory", then wrong results or a segfault).
 os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "8")
+# The processes tests start (tests/spmd_*.py, python -c) import this checkout's packages, not the checkout an
+# editable install last pointed at.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
 import pytest  # noqa: E402
 

@@ -56,6 +56,13 @@ def _untransposed(spec, acc):
     return acc.T if spec.transposed_gradients else acc
 
 
+def _zero_skipped_ds(ds_ref, visible):
+    """Every ds block is written: a skipped tile's score gradient is zero."""
+    @pl.when(jnp.logical_not(visible))
+    def _zero():
+        ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
+
+
 def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked):
     """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
 
@@ -108,9 +115,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     tile_paths(spec, q_block, kv_block, visible, tile)
 
     if with_ds:
-        @pl.when(jnp.logical_not(visible))
-        def _zero_ds():  # every ds block is written: skipped blocks have zero gradient
-            ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
+        _zero_skipped_ds(ds_ref, visible)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():
@@ -153,9 +158,7 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
     tile_paths(spec, q_block, kv_block, visible, tile)
 
     if with_ds:
-        @pl.when(jnp.logical_not(visible))
-        def _zero_ds():  # every ds block is written: skipped blocks have zero gradient
-            ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
+        _zero_skipped_ds(ds_ref, visible)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():

@@ -68,6 +68,16 @@ def _attention(head_dim, dtype, block_q, block_kv, features=""):
                      segments="segments" in features, bias="full" if "bias" in features else None)
 
 
+def _compiles_within_the_estimate(case) -> tuple[Attention, int]:
+    """(the case's Attention, its VMEM estimate), asserting the kernel compiles with the estimate as its limit."""
+    generation, kernel, head_dim, dtype, block_q, block_kv, features = case
+    attention = _attention(head_dim, dtype, block_q, block_kv, features)
+    estimate = vmem.kernel_bytes(kernel, attention.vmem_operands(), block_q, block_kv)
+    assert _compiles(attention, generation, kernel, block_q, block_kv, estimate), \
+        f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
+    return attention, estimate
+
+
 ESTIMATE_CASES = [  # generation, kernel, head_dim, dtype, block_q, block_kv, features
     ("v5e", "forward", 128, "bfloat16", 512, 1024, ""),
     ("v5e", "backward_dq", 256, "float32", 512, 512, "segments,bias"),
@@ -80,11 +90,8 @@ ESTIMATE_CASES = [  # generation, kernel, head_dim, dtype, block_q, block_kv, fe
 
 @pytest.mark.parametrize("case", ESTIMATE_CASES, ids=lambda case: "-".join(map(str, case)))
 def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
-    generation, kernel, head_dim, dtype, block_q, block_kv, features = case
-    attention = _attention(head_dim, dtype, block_q, block_kv, features)
-    estimate = vmem.kernel_bytes(kernel, attention.vmem_operands(), block_q, block_kv)
-    assert _compiles(attention, generation, kernel, block_q, block_kv, estimate), \
-        f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
+    generation, kernel, _, _, block_q, block_kv, _ = case
+    attention, estimate = _compiles_within_the_estimate(case)
     floor = int((estimate - SLACK_BYTES) / SLACK_FACTOR)
     failure = _first_failure_below(attention, generation, kernel, block_q, block_kv, estimate, floor)
     assert failure is not None, (f"compiles within {floor / MiB:.2f} MiB: the estimate of {estimate / MiB:.2f} MiB "
@@ -101,11 +108,7 @@ NARROW_CASES = [  # below 128 lanes: unpadded arrays, transposed backward accumu
 
 @pytest.mark.parametrize("case", NARROW_CASES, ids=lambda case: "-".join(map(str, case)))
 def test_estimate_below_128_lanes_is_an_upper_bound(case):
-    generation, kernel, head_dim, dtype, block_q, block_kv, features = case
-    attention = _attention(head_dim, dtype, block_q, block_kv, features)
-    estimate = vmem.kernel_bytes(kernel, attention.vmem_operands(), block_q, block_kv)
-    assert _compiles(attention, generation, kernel, block_q, block_kv, estimate), \
-        f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
+    _compiles_within_the_estimate(case)
 
 
 @pytest.mark.parametrize("generation", sorted(generations.GENERATIONS))

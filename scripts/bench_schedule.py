@@ -1,6 +1,6 @@
 """torchattn's kernels against JAX's own TPU attention kernels, by the compiler's schedule: CSV and PNG per generation.
 
-    .venv/bin/python scripts/bench_schedule.py                        # the grid below: docs/bench/schedule-<gen>.*
+    .venv/bin/python scripts/bench_schedule.py --jobs 2               # the grid below: docs/bench/schedule-<gen>.*
     .venv/bin/python scripts/bench_schedule.py --generation v5e --quick --out-dir /tmp/schedule
     .venv/bin/python scripts/bench_schedule.py --generation v5e --blocks 512 --quick
 
@@ -29,10 +29,12 @@ estimated times and the three ratios per configuration.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import csv
 import dataclasses
 import io
 import itertools
+import multiprocessing
 import os
 import sys
 import time
@@ -197,6 +199,12 @@ def _label(row: dict) -> str:
                                            "segments"))).label()
 
 
+def _positive(text: str) -> int:
+    if not text.isdecimal() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return int(text)
+
+
 def _blocks(text: str):
     """--blocks: one size for all four, or BQ,BKV,BQ_BWD,BKV_BWD."""
     from torchattn.block_sizes import BlockSizes
@@ -208,6 +216,30 @@ def _blocks(text: str):
         return BlockSizes(*[int(size) for size in sizes * (4 // len(sizes))])
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def measured_configs(configs: list[Config], args):
+    """measure_config of each configuration, in order; with ``--jobs`` N > 1 in N processes of their own."""
+    from torchattn.aot import schedule
+
+    if args.jobs == 1:
+        schedule.enable_dump()  # before anything loads libtpu: it reads the flag once
+        return (measure_config(config, args.blocks) for config in configs)
+    pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                                                  initializer=_worker, initargs=(ROOT,))
+    return _closing(pool, pool.map(measure_config, configs, itertools.repeat(args.blocks)))
+
+
+def _closing(pool, results):
+    with pool:
+        yield from results
+
+
+def _worker(root: str) -> None:
+    sys.path.insert(0, root)
+    from torchattn.aot import schedule
+
+    schedule.enable_dump(fresh=True)
 
 
 def main(argv=None) -> int:
@@ -222,23 +254,22 @@ def main(argv=None) -> int:
                         help="only these head dims of the v5e/v6e grid")
     parser.add_argument("--seq-len", type=int, nargs="+", choices=SEQ_LENS, default=SEQ_LENS,
                         help="only these lengths of the v5e/v6e grid")
+    parser.add_argument("--jobs", type=_positive, default=1,
+                        help="configurations compiled at once, each in a process of its own (default 1)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
     args = parser.parse_args(argv)
 
-    from torchattn.aot import schedule
-
-    schedule.enable_dump()  # before anything loads libtpu: it reads the flag once
     for generation in args.generation:
         configs, rows = grid(generation, args.quick, args.head_dim, args.seq_len), []
-        for number, config in enumerate(configs, 1):
-            start = time.perf_counter()
-            measured = measure_config(config, args.blocks)
+        start = time.perf_counter()
+        for number, (config, measured) in enumerate(zip(configs, measured_configs(configs, args)), 1):
             rows += measured
             summary = "; ".join(f"{row['implementation']} " + (f"{row['fwd_bwd_s'] * 1e3:.3g} ms fwd+bwd"
                                                                if row["status"] == "ok" else row["status"][:70])
                                 for row in measured)
             print(f"[{generation} {number}/{len(configs)}] {config.label()}: {summary} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
+            start = time.perf_counter()
         print("wrote", *write(rows, generation, args.out_dir), flush=True)
     return 0
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from torchattn import generations
-from torchattn.aot import schedule_dump
+from torchattn.aot import schedule, schedule_dump
 
 ROOT = Path(__file__).resolve().parents[1]
 V5E_MXU_MACS_PER_CYCLE = 4 * 128 * 128  # v5e's schedule names mxu0..mxu3, each a 128 x 128 array
@@ -103,6 +103,13 @@ def test_head_dim_64_backward_takes_fewer_bundles_per_step_than_128(probes, kern
     narrow, wide = probes[f"{kernel}_d64"], probes[f"{kernel}_d128"]
     assert narrow["step_bundles"] <= most * wide["step_bundles"], (narrow["step_bundles"], wide["step_bundles"])
     assert narrow["unit_slots"]["MXU"] < wide["unit_slots"]["MXU"]
+
+
+def test_an_estimate_above_twice_the_peak_is_refused_as_a_misread(probes):
+    # The same matmul read as itself is below the limit; claiming 20x its FLOPs is not.
+    assert probes["matmul_512x128x512"]["fraction_of_peak"] * 20 > schedule.IMPOSSIBLE
+    assert "kernel matmul" in probes["impossible"] and "the loop read is not the kernel's grid step" in probes[
+        "impossible"] and "installed libtpu" in probes["impossible"]
 
 
 def test_measuring_after_libtpu_loaded_without_the_dump_is_refused(probes):

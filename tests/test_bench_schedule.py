@@ -21,11 +21,12 @@ IMPLEMENTATIONS = ["torchattn", "splash", "splash-fused", "flash"]
 
 def test_quick_grid_runs_end_to_end(tmp_path):
     # Blocks 512 for every kernel of every implementation: the representative config of the comparison below.
+    # Two configurations in two processes, each dumping to its own folder.
     done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_schedule.py"), "--quick",
-                           "--generation", "v5e", "--blocks", "512", "--out-dir", str(tmp_path)],
+                           "--generation", "v5e", "--blocks", "512", "--jobs", "2", "--out-dir", str(tmp_path)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[v5e 2/2]" in done.stdout  # progress, one line per configuration
+    assert done.stdout.index("[v5e 1/2]") < done.stdout.index("[v5e 2/2]")  # progress, one line per configuration
     with open(tmp_path / "schedule-v5e.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(row["causal"], row["implementation"]) for row in rows] == [

@@ -154,7 +154,7 @@ def test_another_device_kind_misses_the_cache(device, received, fake_tpu):
     torchattn.flash_attention(q, k, v)
     tune_cache.store(key, tune_cache.Tuned(B, ((B, 1.0),)))
     torchattn.flash_attention(q, k, v)
-    # v5e's default (512, 1024, 512, 512) clamped to 256, then what was stored for v5e
+    # v5e's default blocks clamped to 256, then what was stored for v5e
     assert received == [DEFAULT, B]
 
 

@@ -45,7 +45,9 @@ class Generation:
     hbm_bytes: int  # per chip, capacity
     vmem_bytes: int  # per TensorCore, what the compiler allocates from
     vmem_limit_bytes: int | None  # the scoped VMEM limit torchattn's kernels ask Mosaic for; None = its default
-    # Default (block_q, block_kv, block_q_bwd, block_kv_bwd) for head_dim <= 128 and for larger heads.
+    # Default (block_q, block_kv, block_q_bwd, block_kv_bwd) for head_dim <= 128 and for larger heads: the
+    # fastest by libtpu 0.0.21's schedule among the blocks that fit VMEM with every feature in float32
+    # (scripts/search_blocks.py, its output in docs/bench/blocks-<name>.csv; docs/kernels.md).
     blocks: tuple[int, int, int, int]
     blocks_wide_heads: tuple[int, int, int, int]
     tensorcores: int  # per chip
@@ -66,16 +68,16 @@ GENERATIONS = {
     g.name: g for g in (
         # v4: 16 MiB of VMEM is also Mosaic's default limit; nothing to raise.
         Generation("v4", "TPU v4", "v4:2x2x1", 275e12, 1228e9, 32 * GiB, 16 * MiB, None,
-                   blocks=(512, 512, 512, 512), blocks_wide_heads=(256, 256, 256, 256),
+                   blocks=(512, 512, 512, 512), blocks_wide_heads=(512, 512, 256, 512),
                    tensorcores=2, mxu_macs_per_bundle=74_836, clock_hz=0.919e9),
         Generation("v5e", "TPU v5 lite", "v5e:2x2", 197e12, 819e9, 16 * GiB, 128 * MiB, 96 * MiB,
-                   blocks=(512, 1024, 512, 512), blocks_wide_heads=(512, 512, 256, 512),
+                   blocks=(512, 512, 1024, 1024), blocks_wide_heads=(1024, 512, 1024, 2048),
                    tensorcores=1, mxu_macs_per_bundle=69_878, clock_hz=1.410e9),
         Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 95 * GiB, 64 * MiB, 48 * MiB,
-                   blocks=(512, 512, 512, 512), blocks_wide_heads=(256, 512, 256, 256),
+                   blocks=(512, 512, 1024, 1024), blocks_wide_heads=(512, 512, 512, 1024),
                    tensorcores=2, mxu_macs_per_bundle=69_579, clock_hz=1.649e9),
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
-                   blocks=(1024, 1024, 512, 1024), blocks_wide_heads=(1024, 512, 512, 1024),
+                   blocks=(1024, 1024, 1024, 2048), blocks_wide_heads=(1024, 1024, 1024, 2048),
                    tensorcores=1, mxu_macs_per_bundle=225_766, clock_hz=2.033e9),
     )
 }

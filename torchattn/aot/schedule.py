@@ -68,11 +68,16 @@ class Estimate:
     other_programs: dict[str, int]
 
 
-def enable_dump() -> Path:
+def enable_dump(fresh: bool = False) -> Path:
     """The directory libtpu dumps to: the one ``LIBTPU_INIT_ARGS`` names, else a new temporary one
-    set there now. Raises RuntimeError when libtpu is already loaded without the flag."""
+    set there now. ``fresh``: a new one even if the variable names one, for one of several processes
+    compiling at once (libtpu names its files by module ids, which the others would share). Raises
+    RuntimeError when libtpu is already loaded without the flag."""
+    pattern = re.escape(_FLAG) + r"(\S+)"
     flags = os.environ.get("LIBTPU_INIT_ARGS", "")
-    named = re.search(re.escape(_FLAG) + r"(\S+)", flags)
+    if fresh:
+        flags = re.sub(pattern, "", flags).strip()
+    named = re.search(pattern, flags)
     if named:
         return Path(named.group(1))
     if _libtpu_loaded():
@@ -89,8 +94,15 @@ def enable_dump() -> Path:
 _owned: set[str] = set()  # dump directories enable_dump made: their files are deleted once read
 
 
+# An estimate above the peak by more than a matmul kernel's shape moves the MXU rate (docs: generations.py,
+# +-12 %, 1.26x at the best shape measured) is a schedule misread: refused, never returned.
+IMPOSSIBLE = 2.0
+
+
 def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
-    """Compiles each kernel for ``generation`` with the dump on and estimates one call from its schedule."""
+    """Compiles each kernel for ``generation`` with the dump on and estimates one call from its schedule.
+    Raises DumpFormatError (a ValueError) when the files are not libtpu 0.0.21's format, or when what they
+    say puts a kernel's FLOPs above IMPOSSIBLE x the peak."""
     chip = generations.get(generation)
     directory = enable_dump()
     out = []
@@ -120,6 +132,11 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
         slots = schedule.unit_slots(step)
         bound = max(slots, key=lambda unit: slots[unit] / schedule.capacity[unit])
         peak = chip.peak_bf16_flops / chip.tensorcores * cores
+        if kernel.useful_flops / seconds > IMPOSSIBLE * peak:
+            raise schedule_dump.DumpFormatError(
+                schedule.path, f"kernel {kernel.name} would do its {kernel.useful_flops:.3g} FLOPs at "
+                f"{kernel.useful_flops / seconds / peak:.1f}x the chip's peak from {step_mean} bundles per step: the "
+                "loop read is not the kernel's grid step")
         out.append(Estimate(
             name=kernel.name, generation=generation, body_bundles=schedule.body_bundles, step_bundles=step_mean,
             path_bundles=path_bundles,

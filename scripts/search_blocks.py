@@ -1,0 +1,182 @@
+"""The default blocks of torchattn.generations, chosen from the TPU compiler's schedule.
+
+    .venv/bin/python scripts/search_blocks.py                      # every generation: docs/bench/blocks-<gen>.csv
+    .venv/bin/python scripts/search_blocks.py --generation v5e --out-dir /tmp/blocks
+
+Each generation has two defaults, one for head_dim <= 128 and one for wider heads. Each is judged on
+its representative calls: 8192 tokens, 32 query heads over 8 kv heads, batch 1, bfloat16, causal and
+not, at head_dim 64 and 128 (or 256). For every pair of SIZES the script compiles torchattn's forward at
+(block_q, block_kv) and the backward a call gets (torchattn.kernels.backward.fused) at (block_q_bwd,
+block_kv_bwd) with libtpu's compile-only client, and reads the estimated seconds from the schedule
+(torchattn.aot.schedule.measure: compiler estimates, never a TPU timing). Pairs the VMEM check refuses
+are skipped, as a call would refuse them. A default must fit with every feature on (float32, segment ids,
+a full bias, dropout, softcap: tests/test_vmem_fit.py), so only such pairs are chosen from (the
+``fits_every_feature`` column); the others are measured for the record. Each part's pair is the one with
+the smallest geometric mean of seconds over the representative calls, or among those within TIE of it the
+one with the smallest blocks
+(less padding and causal waste on short sequences, less VMEM, faster compiles); the summary prints it
+beside the current default's.
+
+``--implementation splash splash-fused`` runs the same search for JAX's splash attention (its split and
+its fused backward) at head_dim 128, so that each kernel can be compared at its own best blocks
+(docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import itertools
+import math
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SIZES = (256, 512, 1024, 2048)
+SEQ_LEN = 8192
+TIE = 0.01
+HEAD_GROUPS = {"narrow": (64, 128), "wide": (256,)}  # generations.Generation.blocks and .blocks_wide_heads
+PARTS = {"forward": ("forward",), "backward": ("backward_fused", "dq_reduction", "backward_dq", "backward_dkv")}
+IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused")
+FIELDS = ("generation", "implementation", "heads_group", "head_dim", "causal", "part", "block_q", "block_kv",
+          "fits_every_feature", "status", "seconds", "step_bundles")
+
+
+def kernels(implementation: str, attention, generation: str, blocks) -> list:
+    from torchattn.aot import jax_kernels, schedule
+
+    if implementation == "torchattn":
+        return schedule.torchattn_kernels(attention, generation, blocks)
+    return jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=implementation == "splash-fused")
+
+
+def fits_every_feature(generation: str, head_dim: int, part: str, pair: tuple[int, int]) -> bool:
+    """Whether ``part``'s kernels at ``pair`` fit the generation's VMEM with every feature, in float32."""
+    from torchattn import generations
+    from torchattn.aot import Attention
+    from torchattn.kernels import vmem
+
+    operands = Attention(batch=1, q_heads=1, kv_heads=1, q_len=SEQ_LEN, kv_len=SEQ_LEN, head_dim=head_dim,
+                         dtype="float32", segments=True, bias="full", dropout_p=0.1, softcap=30.0).vmem_operands()
+    kernels = vmem.KERNELS[:1] if part == "forward" else vmem.KERNELS[1:]
+    return all(vmem.kernel_bytes(kernel, operands, *pair) <= generations.get(generation).usable_vmem_bytes
+               for kernel in kernels)
+
+
+def measure_part(implementation: str, generation: str, head_dim: int, causal: bool, part: str,
+                 pair: tuple[int, int]) -> dict:
+    """One CSV row: ``part``'s estimated seconds at ``pair``, the other part at the generation's default."""
+    from torchattn.aot import Attention, schedule
+    from torchattn.block_sizes import BlockSizes
+
+    attention = Attention(batch=1, q_heads=32, kv_heads=8, q_len=SEQ_LEN, kv_len=SEQ_LEN, head_dim=head_dim,
+                          causal=causal)
+    default = attention.default_block_sizes(generation)
+    blocks = (BlockSizes(*pair, default.block_q_bwd, default.block_kv_bwd) if part == "forward"
+              else BlockSizes(default.block_q, default.block_kv, *pair))
+    row = {"generation": generation, "implementation": implementation, "head_dim": head_dim, "causal": causal,
+           "part": part, "block_q": pair[0], "block_kv": pair[1],
+           "fits_every_feature": (fits_every_feature(generation, head_dim, part, pair)
+                                  if implementation == "torchattn" else None)}
+    try:
+        chosen = [k for k in kernels(implementation, attention, generation, blocks) if k.name in PARTS[part]]
+        estimates = schedule.measure(chosen, generation)
+    except (RuntimeError, ValueError) as error:  # the VMEM refusal, compile errors
+        return {**row, "status": f"refused: {str(error).splitlines()[0]}"}
+    return {**row, "status": "ok", "seconds": sum(e.seconds for e in estimates),
+            "step_bundles": sum(e.step_bundles for e in estimates if e.name != "dq_reduction")}
+
+
+def search(implementation: str, generation: str, sizes=SIZES) -> list[dict]:
+    groups = HEAD_GROUPS if implementation == "torchattn" else {"narrow": (128,)}
+    parts = PARTS if implementation != "splash-fused" else ("backward",)  # its forward is splash's
+    rows = []
+    for group, head_dims in groups.items():
+        for head_dim, causal, part, pair in itertools.product(head_dims, (False, True), parts,
+                                                              itertools.product(sizes, sizes)):
+            row = {**measure_part(implementation, generation, head_dim, causal, part, pair), "heads_group": group}
+            rows.append(row)
+            print(",".join(str(row.get(field, "")) for field in FIELDS), flush=True)
+    return rows
+
+
+def best_pairs(rows: list[dict]) -> dict:
+    """(implementation, heads_group, part) -> {pair: geometric mean seconds}, over the pairs that ran for
+    every representative call (and, torchattn's, fit with every feature)."""
+    calls, seconds = {}, {}
+    for r in rows:
+        key = (r["implementation"], r["heads_group"], r["part"])
+        calls.setdefault(key, set()).add((r["head_dim"], r["causal"]))
+        if r["status"] == "ok" and r["fits_every_feature"] is not False:
+            seconds.setdefault(key, {}).setdefault((r["block_q"], r["block_kv"]), []).append(r["seconds"])
+    return {key: {pair: math.exp(sum(map(math.log, s)) / len(s)) for pair, s in seconds.get(key, {}).items()
+                  if len(s) == len(calls[key])} for key in calls}
+
+
+def chosen(means: dict) -> tuple[int, int]:
+    """The pair with the smallest blocks among those within TIE of the fastest."""
+    fastest = min(means.values())
+    return min((pair for pair, seconds in means.items() if seconds <= (1 + TIE) * fastest),
+               key=lambda pair: (max(pair), pair[0] * pair[1], pair))
+
+
+def summary(generation: str, rows: list[dict]) -> str:
+    from torchattn import generations
+
+    chip = generations.get(generation)
+    lines = []
+    for (implementation, group, part), means in best_pairs(rows).items():
+        default = (chip.blocks if group == "narrow" else chip.blocks_wide_heads)[0 if part == "forward" else 2:][:2]
+        if not means:
+            lines.append(f"{implementation} {generation} {group} heads {part}: no pair ran for every call")
+            continue
+        best = chosen(means)
+        now = means.get(tuple(default))
+        against = f"{now * 1e6:.1f} µs ({now / means[best]:.3f}x the best)" if now else "not measured"
+        lines.append(f"{implementation} {generation} {group} heads {part}: chosen {best} {means[best] * 1e6:.1f} µs "
+                     f"(geometric mean; the fastest {min(means.values()) * 1e6:.1f} µs); "
+                     f"torchattn's default {tuple(default)} {against}")
+    return "\n".join(lines)
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    """The CSV, whole or not at all."""
+    from train import durable
+
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=FIELDS, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({field: _cell(row.get(field, "")) for field in FIELDS} for row in rows)
+    durable.write_text(path, buffer.getvalue())
+
+
+def _cell(value):
+    return f"{value:.6g}" if isinstance(value, float) else value
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--generation", nargs="+", default=["v5e", "v6e", "v4", "v5p"],
+                        choices=["v5e", "v6e", "v4", "v5p"])
+    parser.add_argument("--implementation", nargs="+", default=["torchattn"], choices=IMPLEMENTATIONS)
+    parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, choices=SIZES,
+                        help="the block sizes to pair (default: all)")
+    parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
+    args = parser.parse_args(argv)
+    sys.path.insert(0, ROOT)
+    from torchattn.aot import schedule
+
+    schedule.enable_dump()
+    for generation in args.generation:
+        rows = [row for implementation in args.implementation
+                for row in search(implementation, generation, args.sizes)]
+        names = "-".join(name for name in args.implementation if name != "torchattn")
+        write_csv(os.path.join(args.out_dir, f"blocks-{generation}{'-' * bool(names)}{names}.csv"), rows)
+        print(summary(generation, rows), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

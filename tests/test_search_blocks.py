@@ -1,0 +1,70 @@
+"""scripts/search_blocks.py: how it picks a default from measured rows, and one small run end to end (a
+subprocess: libtpu reads the dump flag when it loads, and this test process may have loaded it already)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location("search_blocks", os.path.join(ROOT, "scripts", "search_blocks.py"))
+search_blocks = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(search_blocks)
+
+
+def _row(pair, seconds, head_dim=128, causal=False, fits=True, status="ok"):
+    return {"implementation": "torchattn", "heads_group": "narrow", "part": "forward", "head_dim": head_dim,
+            "causal": causal, "block_q": pair[0], "block_kv": pair[1], "fits_every_feature": fits,
+            "status": status, "seconds": seconds}
+
+
+def test_the_pair_with_the_smallest_geometric_mean_is_chosen():
+    rows = [_row((512, 512), 2.0), _row((512, 512), 8.0, causal=True),  # geometric mean 4
+            _row((1024, 512), 3.0), _row((1024, 512), 6.0, causal=True)]  # 4.24
+    means = search_blocks.best_pairs(rows)[("torchattn", "narrow", "forward")]
+    assert means == pytest.approx({(512, 512): 4.0, (1024, 512): 18 ** 0.5})
+    assert search_blocks.chosen(means) == (512, 512)
+
+
+def test_within_the_tie_the_smaller_blocks_win():
+    fastest = 1.0
+    means = {(1024, 2048): fastest, (1024, 1024): fastest * (1 + search_blocks.TIE / 2),
+             (512, 512): fastest * (1 + 2 * search_blocks.TIE)}
+    assert search_blocks.chosen(means) == (1024, 1024)
+
+
+def test_pairs_that_miss_a_call_or_do_not_fit_every_feature_are_not_candidates():
+    rows = [_row((512, 512), 5.0), _row((512, 512), 5.0, causal=True),
+            _row((256, 256), 1.0), _row((256, 256), 1.0, causal=True, status="refused: VMEM"),
+            _row((2048, 2048), 1.0, fits=False), _row((2048, 2048), 1.0, causal=True, fits=False)]
+    assert search_blocks.best_pairs(rows)[("torchattn", "narrow", "forward")] == pytest.approx({(512, 512): 5.0})
+
+
+def test_a_small_search_runs_end_to_end(tmp_path):
+    pytest.importorskip("jax")
+    pytest.importorskip("libtpu")
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "search_blocks.py"), "--generation", "v5e",
+                           "--sizes", "512", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=900, env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(tmp_path / "blocks-v5e.csv") as f:
+        rows = list(csv.DictReader(f))
+    # Per heads group, each representative call (head_dim, causal) and part at the one pair 512 x 512.
+    assert [(r["heads_group"], r["head_dim"], r["causal"], r["part"]) for r in rows] == [
+        (group, str(head_dim), str(causal), part) for group, head_dims in search_blocks.HEAD_GROUPS.items()
+        for head_dim in head_dims for causal in (False, True) for part in search_blocks.PARTS]
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert (r["block_q"], r["block_kv"], r["fits_every_feature"]) == ("512", "512", "True")
+        assert float(r["seconds"]) > 0 and int(r["step_bundles"]) > 0
+    # Causal attention skips about half the tiles.
+    forward = {(r["head_dim"], r["causal"]): float(r["seconds"]) for r in rows if r["part"] == "forward"}
+    assert 0.4 < forward[("128", "True")] / forward[("128", "False")] < 0.75
+    for group in search_blocks.HEAD_GROUPS:
+        for part in search_blocks.PARTS:
+            assert f"torchattn v5e {group} heads {part}: chosen (512, 512)" in done.stdout

@@ -13,9 +13,8 @@ are skipped, as a call would refuse them. A default must fit with every feature 
 a full bias, dropout, softcap: tests/test_vmem_fit.py), so only such pairs are chosen from (the
 ``fits_every_feature`` column); the others are measured for the record. Each part's pair is the one with
 the smallest geometric mean of seconds over the representative calls, or among those within TIE of it the
-one with the smallest blocks
-(less padding and causal waste on short sequences, less VMEM, faster compiles); the summary prints it
-beside the current default's.
+one with the smallest blocks (less padding and causal waste on short sequences, less VMEM, faster
+compiles); the summary prints it beside the current default's.
 
 ``--implementation splash splash-fused`` runs the same search for JAX's splash attention (its split and
 its fused backward) at head_dim 128, so that each kernel can be compared at its own best blocks

@@ -7,6 +7,7 @@ _versions.check_versions()  # before importing torch: a mismatched torch/torch_x
 from . import counters  # noqa: E402
 from .api import explain, flash_attention  # noqa: E402
 from .block_sizes import BlockSizes  # noqa: E402
+from .context import balanced_order  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .reference import attention_reference  # noqa: E402
 from .spmd import sharded  # noqa: E402
@@ -15,5 +16,5 @@ from .tuning import tune  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded", "tune",
+__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded", "balanced_order", "tune",
            "tuned", "clear_tuned", "counters", "__version__"]

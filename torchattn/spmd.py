@@ -156,9 +156,44 @@ def resolve(request: Request) -> Sharding | str | None:
     own = _from_input(request.q)
     if own is None and _contexts:
         own = _contexts[-1]
+    if own is None:
+        own = _from_global_mesh(request)
     if isinstance(own, Sharding):
         _check(own, request)
     return own
+
+
+def _from_global_mesh(request: Request) -> Sharding | None:
+    """The sharding a global mesh (``xs.set_global_mesh``) implies, as transformers' Trainer under XLA
+    FSDPv2 sets it: axes ("fsdp", "tensor"), each batch sharded over "fsdp". Batch then goes over "fsdp",
+    heads over "tensor" when it has more than one device. None without a global mesh, or, warned once
+    with the reason, for a mesh that does not say how attention's inputs are laid out."""
+    import torch_xla.distributed.spmd as xs
+
+    mesh = xs.get_global_mesh()
+    if mesh is None:
+        return None
+    names = tuple(mesh.axis_names or ())
+    others = tuple(axis for axis in names if axis not in ("fsdp", "tensor") and _ways(mesh, (axis,)) > 1)
+    if "fsdp" not in names:
+        why = "it has no 'fsdp' axis to cut the batch over"
+    elif others:
+        why = f"its axes {others} are not 'fsdp' or 'tensor', so how they cut the inputs is unknown"
+    else:
+        heads = ("tensor",) if "tensor" in names and _ways(mesh, ("tensor",)) > 1 else ()
+        sharding = Sharding(mesh=mesh, batch=("fsdp",), heads=heads)
+        try:
+            _check(sharding, request)
+            return sharding
+        except ValueError as error:
+            why = str(error)
+    # The same subject as run()'s warning, so a per-device call warns once, with this reason.
+    once.warn(("spmd", "unsharded"),
+              f"torchattn: SPMD is on and q carries no sharding; no torchattn.sharded(...) context is active, and "
+              f"the global mesh (shape {tuple(mesh.mesh_shape)}, axes {names}) cannot stand in for one: {why}. "
+              "The pallas and interpret kernels run on the global tensors on every device (XLA gathers q, k and "
+              "v). Mark q's sharding or wrap the run in torchattn.sharded(mesh, batch=..., heads=...).", stacklevel=7)
+    return None
 
 
 def _from_input(q: torch.Tensor):

@@ -198,3 +198,41 @@ def test_the_model_is_built_by_the_runs_own_function(llama, tmp_path, monkeypatc
     assert run.pop("weights") is not None and compiled.pop("weights") is None
     assert run == compiled, "the same build but for the weights"
     assert all(p.device.type == "xla" for p in model.parameters())
+
+
+def _rows(report) -> list[dict]:
+    return list(csv.DictReader(report.open()))
+
+
+@pytest.mark.slow
+def test_mesh_over_v5e_2x2_compiles_the_partitioned_step_with_less_hbm_per_chip(llama, tmp_path):
+    # The same run (batch 4, 512 tokens) on one v5e chip and as the SPMD step over fsdp=4 on v5e:2x2,
+    # which this process (one XLA:CPU device) traces in a child process with 4 virtual devices.
+    same = ["--compile-lengths", "512", "--compile-attn", "torchattn", "--batch-size", "4"]
+    one, four = tmp_path / "one.csv", tmp_path / "four.csv"
+    assert main(_flags(llama, one, "--compile-only", "v5e", *same, "--output-dir", str(tmp_path / "a"))) == 0
+    assert main(_flags(llama, four, "--compile-only", "v5e:2x2", "--mesh", "fsdp=4", *same,
+                       "--output-dir", str(tmp_path / "b"))) == 0
+    [chip], [sharded] = _rows(one), _rows(four)
+    assert (chip["topology"], chip["mesh"]) == ("v5e", "none")
+    assert (sharded["topology"], sharded["mesh"]) == ("v5e:2x2", "fsdp=4")
+    assert chip["fits"] == sharded["fits"] == "True", sharded["error"]
+    # torchattn's kernels stayed in the partitioned step (run per device), not replaced by a fallback.
+    assert int(sharded["tpu_custom_calls"]) == int(chip["tpu_custom_calls"]) >= 4
+    # Each chip holds a quarter of the parameters, gradients and AdamW moments (plus tile padding) and a
+    # quarter of the batch's activations: less than one chip holding all of it.
+    assert int(sharded["argument_bytes"]) < int(chip["argument_bytes"]) / 2
+    assert int(sharded["temp_bytes"]) < int(chip["temp_bytes"])
+    assert int(sharded["total_bytes"]) < int(chip["total_bytes"])
+
+
+@pytest.mark.parametrize("topology, mesh, chips", [("v5e:2x2", "fsdp=2", "4 chips"), ("v5e", "data=2", "1 chip")])
+def test_mesh_whose_product_is_not_the_chips_is_one_line_naming_both_flags(llama, tmp_path, capsys, topology,
+                                                                           mesh, chips):
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", topology, "--mesh", mesh, "--batch-size", "2"))
+    error = capsys.readouterr().err
+    assert status == 2
+    assert error == (f"python -m train: error: --mesh: expected axis sizes whose product is the {chips} of "
+                     f"--compile-only {topology}, got '{mesh}'\n")
+    assert not report.exists()

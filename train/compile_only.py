@@ -20,20 +20,33 @@ trainer's columns; an LM row packs two documents.
 HBM per chip is what the compiler allocates: arguments (parameters, gradients, AdamW moments, the
 batch), temporaries (activations kept for the backward pass, workspaces; small ones may live in VMEM
 instead) and the outputs that do not overwrite an argument (torch_xla donates the buffers of state
-updated in place). The step holds one micro-batch: --grad-accum adds time, not memory. A multi-chip
-topology is compiled per chip for one replica of the step (data parallelism); --mesh is not supported yet.
+updated in place). The step holds one micro-batch: --grad-accum adds time, not memory.
+
+    python -m train --recipe sotu-lm --compile-only v5e:2x2 --mesh fsdp=4 --batch-size 4
+
+Without --mesh a multi-chip topology is compiled per chip for one replica of the step (data
+parallelism). With --mesh (axes whose sizes multiply to the topology's chips) the step is the run's
+SPMD step over that mesh (train/parallel.py: parameters, gradients and AdamW moments sharded, the
+batch split, torchattn's kernels per device), traced on as many virtual XLA:CPU devices as the
+topology has chips, and libtpu's partitioner splits it into one program per chip: its HBM figures
+are per chip. SPMD must be on before torch_xla's runtime starts, so a process not started with
+PJRT_DEVICE=CPU CPU_NUM_DEVICES=<chips> runs the sweep in a child process that is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import dataclasses
+import functools
 import gc
 import importlib.util
+import math
 import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +57,7 @@ from torchattn import generations
 from torchattn.generations import GiB
 
 from . import tasks
-from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, positive_ints
+from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, mesh_axes, positive_ints
 
 # The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
 _HBM_EXHAUSTED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
@@ -58,6 +71,7 @@ class Target:
     topology: str
     generation: str
     chips: int
+    mesh: str = ""  # --mesh the step is partitioned over; "": one replica's step per chip
 
 
 @dataclasses.dataclass
@@ -96,9 +110,10 @@ def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capac
         error="" if compiled else (high.error or low.error), layers=layers, extrapolated_from=f"{a},{b}")
 
 
-def resolve_target(name: str) -> Target:
-    """--compile-only's topology: "v5e" (one chip), "v5e:2x2", "v4:2x2x1", ... ConfigError if libtpu is
-    missing or does not know the name."""
+def resolve_target(name: str, mesh: str | None = None) -> Target:
+    """--compile-only's topology: "v5e" (one chip), "v5e:2x2", "v4:2x2x1", ..., partitioned over ``mesh``
+    (--mesh's axes) if given. ConfigError if libtpu is missing or does not know the name, or if the
+    mesh's sizes do not multiply to the topology's chips."""
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError("--compile-only: needs libtpu (the TPU compiler), which is not installed; "
                           "`pip install -e .[dev]` (or the tpu extra) installs libtpu==0.0.21")
@@ -106,18 +121,19 @@ def resolve_target(name: str) -> Target:
     if generation not in generations.GENERATIONS:
         raise ConfigError(f"--compile-only: expected a TPU topology such as v5e, v6e, v5e:2x2 or v4:2x2x1 "
                           f"(generations {', '.join(generations.GENERATIONS)}), got {name!r}")
-    if not shape:
-        return Target(name, generation, 1)
-    from jax.experimental import topologies
-    from torchattn.aot import compiler
+    chips = 1
+    if shape:
+        from torchattn.aot import compiler
 
-    compiler.slice_devices(generation)  # sets libtpu's environment for a compile-only client
-    try:
-        devices = topologies.get_topology_desc(platform="tpu", topology_name=name).devices
-    except Exception as error:  # jax's XlaRuntimeError: libtpu's own words
-        detail = str(error).strip().splitlines()[0]
-        raise ConfigError(f"--compile-only: libtpu does not know the topology {name!r}: {detail}") from None
-    return Target(name, generation, len(devices))
+        try:
+            chips = len(compiler.topology_devices(name))
+        except Exception as error:  # jax's XlaRuntimeError: libtpu's own words
+            detail = str(error).strip().splitlines()[0]
+            raise ConfigError(f"--compile-only: libtpu does not know the topology {name!r}: {detail}") from None
+    if mesh is not None and math.prod(mesh_axes(mesh).values()) != chips:
+        raise ConfigError(f"--mesh: expected axis sizes whose product is the {chips} chip{'s' * (chips > 1)} of "
+                          f"--compile-only {name}, got {mesh!r}")
+    return Target(name, generation, chips, mesh or "")
 
 
 def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
@@ -140,11 +156,26 @@ def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
     return found
 
 
-def _placeholder(tensor: torch.Tensor) -> torch.Tensor:
-    """A graph argument of the tensor's shape and dtype that holds no buffer (reading it would abort)."""
+def _placeholder(tensor: torch.Tensor, spmd=None) -> torch.Tensor:
+    """A graph argument of the tensor's shape and dtype that holds no buffer (reading it would abort).
+    With ``spmd`` (parallel.Spmd) it carries the run's parameter layout: mark_sharding would move its
+    data, which it has none of, so the layout is an annotation the partitioner gives the argument."""
     import torch_xla.core.xla_builder as xb
+    import torch_xla.distributed.spmd as xs
 
-    return xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+    placeholder = xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
+    if spmd is not None:
+        xs.annotate_custom_sharding(placeholder, spmd.mesh, spmd.parameter_spec(tuple(tensor.shape)))
+    return placeholder
+
+
+def _bytes_per_chip(tensor: torch.Tensor, spmd) -> int:
+    """The bytes of a parameter-like tensor each chip holds: its shard under the run's parameter
+    layout (all of it without ``spmd``)."""
+    if spmd is None:
+        return tensor.numel() * tensor.element_size()
+    shards = math.prod(spmd.axes[axis] for axis in spmd.parameter_spec(tuple(tensor.shape)) if axis is not None)
+    return tensor.numel() * tensor.element_size() // shards
 
 
 def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
@@ -166,23 +197,34 @@ def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
     return model.to(torch_xla.device()).train()  # moves the buffers
 
 
-def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spmd=None) -> None:
     """Gives the model and optimizer the state a run has after its first step (gradients kept as
-    buffers, AdamW's moments), all placeholders: graph arguments, as on the device."""
+    buffers, AdamW's moments), all placeholders: graph arguments, as on the device (laid out as
+    ``spmd``, parallel.Spmd, lays out the run's)."""
     for parameter in model.parameters():
         parameter.grad = _placeholder(parameter)
     optimizer.step()  # traced, never run: creates the moments with their shapes
     for parameter in model.parameters():
-        parameter.data = _placeholder(parameter)
-        parameter.grad = _placeholder(parameter)
+        parameter.data = _placeholder(parameter, spmd)
+        parameter.grad = _placeholder(parameter, spmd)
     for moments in optimizer.state.values():
         for key, value in moments.items():
             if value.device.type == "xla":
-                moments[key] = _placeholder(value)
+                moments[key] = _placeholder(value, spmd)
+
+
+@functools.lru_cache(maxsize=1)
+def _spmd(mesh: str):
+    """The process's parallel.Spmd over --mesh: SPMD is process-wide, turned on once before anything
+    touches the XLA device."""
+    from .parallel import Spmd
+
+    return Spmd(mesh_axes(mesh))
 
 
 def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple[str, int]:
-    """StableHLO of one training step, and the bytes of its outputs that overwrite an argument.
+    """StableHLO of one training step, and the bytes per chip of its outputs that overwrite an argument.
+    With --mesh it is the run's SPMD step (train/parallel.py lays out the state, the batch and attention).
 
     The tensors die with this frame, unmaterialised: a later sync must not try to run them.
     """
@@ -191,19 +233,25 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
 
     from .trainer import micro_batch_gradients, optimizer_update
 
-    model = _empty_model(model_config, config, attn)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, weight_decay=0.0)  # as the trainer's
-    _steady_state(model, optimizer)
+    spmd = _spmd(config.parallel.mesh) if config.parallel.explicit else None
     text_config = model_config.get_text_config()
     batch = tasks.get(config.run.task).synthetic_batch(config.data.batch_size, text_config.vocab_size, length)
-    inputs = {name: tensor.to(torch_xla.device()) for name, tensor in batch.items()}
-    loss = micro_batch_gradients(model, inputs, config)
-    optimizer_update(model, optimizer, config)
+    # Before any placeholder exists: the run's loader syncs, which would run the graph that reads them.
+    if spmd is None:
+        inputs = {name: tensor.to(torch_xla.device()) for name, tensor in batch.items()}
+    else:  # split over the batch axes as the run's loader splits it; the one pair it yields
+        [(_, inputs)] = spmd.device_batches([batch])
+    model = _empty_model(model_config, config, attn)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, weight_decay=0.0)  # as the trainer's
+    _steady_state(model, optimizer, spmd)
+    with spmd.attention() if spmd is not None else contextlib.nullcontext():
+        loss = micro_batch_gradients(model, inputs, config)
+    optimizer_update(model, optimizer, config, spmd)
     # After the update the same Python objects hold the new values: the arguments they overwrite.
     updated = [t for t in (*model.parameters(), *(p.grad for p in model.parameters()),
                            *(v for moments in optimizer.state.values() for v in moments.values()))
                if t.device.type == "xla"]
-    donated = sum(t.numel() * t.element_size() for t in updated)
+    donated = sum(_bytes_per_chip(t, spmd) for t in updated)
     return xm.get_stablehlo([loss, *updated]), donated
 
 
@@ -212,9 +260,11 @@ def compile_row(text: str, donated: int, target: Target, attn: str, length: int)
     from torchattn.aot import compile_stablehlo
 
     calls = len(re.findall(r"custom_call @tpu_custom_call\b", text))
+    partitions = target.chips if target.mesh else 1  # an SPMD step: one program per chip of the topology
     started = time.perf_counter()
     try:
-        compiled = compile_stablehlo(text, target.generation, f"train step {attn} {length}")
+        compiled = compile_stablehlo(text, target.generation, f"train step {attn} {length}", partitions=partitions,
+                                     topology=target.topology if partitions > 1 else None)
     except Exception as error:  # jax's XlaRuntimeError: the compiler's own message
         seconds = time.perf_counter() - started
         message = " ".join(str(error).split())
@@ -285,10 +335,10 @@ def write_csv(rows: list[Row], target: Target, path: str) -> None:
     fields = [f.name for f in dataclasses.fields(Row)]
     with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".partial", delete=False, newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["topology", "generation", "hbm_bytes_per_chip", *fields])
+        writer.writerow(["topology", "mesh", "generation", "hbm_bytes_per_chip", *fields])
         for row in rows:
-            writer.writerow([target.topology, target.generation, generations.get(target.generation).hbm_bytes,
-                             *(getattr(row, name) for name in fields)])
+            writer.writerow([target.topology, target.mesh or "none", target.generation,
+                             generations.get(target.generation).hbm_bytes, *(getattr(row, name) for name in fields)])
     os.replace(f.name, path)
 
 
@@ -308,7 +358,11 @@ def _sweep(config: RunConfig) -> int:
 
     from . import data, models
 
-    target = resolve_target(config.compile_only.topology)
+    target = resolve_target(config.compile_only.topology, config.parallel.mesh if config.parallel.explicit else None)
+    if target.mesh:
+        if os.environ.get("PJRT_DEVICE") != "CPU" or os.environ.get("CPU_NUM_DEVICES") != str(target.chips):
+            return _in_child(config, target.chips)
+        _spmd(target.mesh)  # SPMD on, before anything touches the XLA device
     attns = [a.strip() for a in config.compile_only.attn.split(",")] if config.compile_only.attn else list(ATTNS)
     num_labels = None
     if tasks.get(config.run.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)
@@ -326,9 +380,12 @@ def _sweep(config: RunConfig) -> int:
     config = config.with_output_dir()
     path = config.compile_only.report or os.path.join(config.run.output_dir,
                                                       f"hbm-{target.topology.replace(':', '-')}.csv")
+    chips = f"{target.chips} chip{'s' if target.chips > 1 else ''}"
+    where = (f"each chip of {target.topology} ({chips}), the step partitioned over --mesh {target.mesh}"
+             if target.mesh else f"one chip of {target.topology} ({chips})")
     print(f"compile-only: {config.model.name} ({config.run.task}), batch {config.data.batch_size}, "
-          f"{'bf16 autocast' if config.model.bf16 else 'float32'}, AdamW float32; one chip of {target.topology} "
-          f"({target.chips} chip{'s' if target.chips > 1 else ''}), libtpu's compiler", flush=True)
+          f"{'bf16 autocast' if config.model.bf16 else 'float32'}, AdamW float32; {where}, libtpu's compiler",
+          flush=True)
     print(table([], target).splitlines()[0], flush=True)
     rows = []
     layers = model_config.get_text_config().num_hidden_layers
@@ -349,3 +406,27 @@ def _sweep(config: RunConfig) -> int:
     print(table(rows, target))
     print(f"written: {path}")
     return 0
+
+
+def _in_child(config: RunConfig, chips: int) -> int:
+    """The sweep in a child process started with ``chips`` virtual XLA:CPU devices and this process's
+    train package (-P: not one in the working directory); its exit status, 128 + N if signal N killed
+    it. It writes to this process's stdout and stderr."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(chips),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    flags = []  # every setting of config.json, as python -m train parses it back
+    for key, value in config.to_flat().items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags += [flag] if value else []
+        else:
+            flags += [flag, "none" if value is None else str(value)]
+    sys.stdout.flush()
+    with subprocess.Popen([sys.executable, "-P", "-m", "train", *flags], env=env) as child:
+        while True:
+            try:
+                status = child.wait()
+                return 128 - status if status < 0 else status
+            except KeyboardInterrupt:  # Ctrl-C reached the child too: it stops with its own line and 130
+                continue

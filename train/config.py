@@ -275,13 +275,11 @@ class RunConfig:
     parallel: Parallel = dataclasses.field(default_factory=Parallel)
 
     def __post_init__(self):
-        # In this order, the first refusal being the one reported. --mesh with --compile-only is refused
-        # whatever the mesh, so before the mesh's own check; its batch split needs a valid --batch-size.
+        # In this order, the first refusal being the one reported: the mesh's batch split needs a valid
+        # --batch-size. (--compile-only checks the mesh against its topology's chips: train/compile_only.py.)
         for group in (self.run, self.data, self.model, self.optimizer, self.checkpoint, self.logging,
                       self.compile_only):
             group.check()
-        if self.compile_only.topology is not None and self.parallel.explicit:
-            raise ConfigError("--mesh: not supported with --compile-only yet (it compiles one replica's step per chip)")
         self.parallel.check()
         if self.parallel.explicit:
             rows = batch_devices(mesh_axes(self.parallel.mesh))

@@ -118,6 +118,10 @@ class Spmd:
         self.shard_like_parameters(model)
         return model
 
+    def parameter_spec(self, shape: tuple[int, ...]) -> tuple[str | None, ...]:
+        """The partition spec of a parameter of ``shape`` on this mesh (its gradient's and AdamW moments' too)."""
+        return parameter_spec(shape, self.axes.get(PARAMETER_AXIS, 1))
+
     def shard_like_parameters(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Annotates each parameter, its gradient and its optimizer state (AdamW's moments, once the
         first step created them) with the parameter's sharding. Call inside a traced step, after the
@@ -125,7 +129,7 @@ class Spmd:
         import torch_xla.distributed.spmd as xs
 
         for parameter in model.parameters():
-            spec = parameter_spec(parameter.shape, self.axes.get(PARAMETER_AXIS, 1))
+            spec = self.parameter_spec(parameter.shape)
             state = optimizer.state.get(parameter, {}) if optimizer is not None else {}
             like = [parameter, parameter.grad] + [value for value in state.values()
                                                   if isinstance(value, torch.Tensor) and value.shape == parameter.shape]

@@ -42,9 +42,14 @@ def device(generation: str):
     return slice_devices(generation)[0]
 
 
-@functools.lru_cache(maxsize=None)
 def slice_devices(generation: str) -> tuple:
     """The devices of a compile-only slice of ``generation`` (4 chips: generations.Generation.topology)."""
+    return topology_devices(generations.get(generation).topology)
+
+
+@functools.lru_cache(maxsize=None)
+def topology_devices(topology: str) -> tuple:
+    """The devices of the compile-only slice libtpu calls ``topology`` ("v5e:2x2", "v5e:4x4", "v4:2x2x1")."""
     from jax.experimental import topologies
 
     # libtpu refuses a second process on the machine without this (a TPU VM's guard
@@ -54,8 +59,7 @@ def slice_devices(generation: str) -> tuple:
     # about it; a one-host slice is what a compile-only client is. Results are the same.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
-    topology = topologies.get_topology_desc(platform="tpu", topology_name=generations.get(generation).topology)
-    return tuple(topology.devices)
+    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 
 
 def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
@@ -77,13 +81,15 @@ def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
                      executable.cost_analysis(), executable.memory_analysis())
 
 
-def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1) -> Compiled:
+def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1,
+                      topology: str | None = None) -> Compiled:
     """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``; with
-    ``partitions`` > 1, an SPMD program (torch_xla under SPMD) for that many chips."""
-    chips = slice_devices(generation)
+    ``partitions`` > 1, an SPMD program (torch_xla under SPMD) for that many chips of ``topology``
+    (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice)."""
+    chips = topology_devices(topology) if topology is not None else slice_devices(generation)
     if not 1 <= partitions <= len(chips):
-        raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of a {generation} compile-only "
-                         f"slice), got {partitions}")
+        raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of the compile-only slice "
+                         f"{topology or generations.get(generation).topology}), got {partitions}")
     start = time.perf_counter()
     executable = internals.compile_stablehlo(text, chips[:partitions])
     seconds = time.perf_counter() - start

@@ -29,10 +29,12 @@ Where the sharding comes from, first match wins:
 1. q's own sharding (``mark_sharding`` on q);
 2. the innermost :func:`sharded` context. Inside a model q is an intermediate
    tensor: GSPMD decides its layout only when it compiles, so torchattn cannot read
-   it; the context states it once for a whole run.
+   it; the context states it once for a whole run;
+3. a global mesh of axes ("fsdp", "tensor") (``xs.set_global_mesh``, as transformers'
+   Trainer sets it under XLA FSDPv2): batch over "fsdp", heads over "tensor".
 
-Neither: the call runs on the global tensors (correct, but XLA gathers them onto
-every device), with a one-time warning. head_dim stays whole on each device: an input
+None of these: the call runs on the global tensors (correct, but XLA gathers them onto
+every device), with a one-time warning that says why. head_dim stays whole on each device: an input
 sharded along it is a ValueError naming the dimension and axis.
 """
 

@@ -155,21 +155,25 @@ def pallas_graph(mesh, stablehlo_path: str) -> dict:
     return {"calls": len(calls), "operand_shapes": sorted(shapes)}
 
 
-def errors(mesh) -> dict:
-    """The messages of what cannot run per device."""
+def refusals(attempts: dict) -> dict:
+    """{name: "TypeError: ..." or "ValueError: ..." the call ``attempts[name]()`` raised, or None: it ran}."""
     found = {}
-    device = torch_xla.device()
-
-    def attempt(name, fn):
+    for name, attempt in attempts.items():
         try:
-            fn()
+            attempt()
             found[name] = None
         except (ValueError, TypeError) as error:
             found[name] = f"{type(error).__name__}: {error}"
+    return found
 
-    def sequence_sharded():
+
+def errors(mesh) -> dict:
+    """The messages of what cannot run per device."""
+    device = torch_xla.device()
+
+    def head_dim_sharded():
         q = torch.randn(BATCH, Q_HEADS, SEQ, HEAD_DIM).to(device)
-        xs.mark_sharding(q, mesh, (None, None, "data", None))
+        xs.mark_sharding(q, mesh, (None, None, None, "data"))
         torchattn.flash_attention(q, q, q, backend="interpret")
 
     def not_divisible(batch, heads):
@@ -177,13 +181,13 @@ def errors(mesh) -> dict:
         with torchattn.sharded(mesh, batch="data", heads="model"):
             torchattn.flash_attention(q, q, q, backend="interpret")
 
-    attempt("sequence_sharded", sequence_sharded)
-    attempt("batch_3", lambda: not_divisible(3, Q_HEADS))
-    attempt("heads_5", lambda: not_divisible(BATCH, 5))
-    attempt("unknown_axis", lambda: torchattn.sharded(mesh, batch="fsdp").__enter__())
-    attempt("axis_twice", lambda: torchattn.sharded(mesh, batch="model", heads="model").__enter__())
-    attempt("not_a_mesh", lambda: torchattn.sharded((2, 2), batch="data").__enter__())
-    return found
+    return refusals({
+        "head_dim_sharded": head_dim_sharded,
+        "batch_3": lambda: not_divisible(3, Q_HEADS),
+        "heads_5": lambda: not_divisible(BATCH, 5),
+        "unknown_axis": lambda: torchattn.sharded(mesh, batch="fsdp").__enter__(),
+        "axis_twice": lambda: torchattn.sharded(mesh, batch="model", heads="model").__enter__(),
+        "not_a_mesh": lambda: torchattn.sharded((2, 2), batch="data").__enter__()})
 
 
 def main(dump: str, out_path: str) -> None:

@@ -132,7 +132,7 @@ def test_what_cannot_run_per_device_names_dimension_and_axis(results, mesh):
     errors = results["errors"][f"{mesh[0]}x{mesh[1]}"]
     data, model = mesh
     expected = {  # name: (raised?, words the message must hold)
-        "sequence_sharded": (data > 1, ["dimension 2 (seq_len)", "'data'"]),
+        "head_dim_sharded": (data > 1, ["dimension 3 (head_dim)", "'data'"]),
         "batch_3": (data > 1, ["batch (dim 0", "'data'", "3 is not divisible"]),
         "heads_5": (model > 1, ["q_heads (dim 1", "'model'", "5 is not divisible"]),
         "unknown_axis": (True, ["batch:", "'fsdp'"]),

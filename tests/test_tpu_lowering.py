@@ -15,6 +15,7 @@ import torch
 
 from torchattn import kernel_calls
 from torchattn.block_sizes import BlockSizes
+from torchattn.dropout import keys
 from torchattn.request import Options, Tensors
 
 jax = pytest.importorskip("jax")
@@ -36,16 +37,20 @@ FEATURES = {
 
 
 def _spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len=300, block_q=128,
-          block_kv=128, causal=False, window=None, segments=False, bias=None, softcap=None, dropout_p=0.0):
+          block_kv=128, causal=False, window=None, segments=False, bias=None, softcap=None, dropout_p=0.0,
+          sequence_shards=None):
+    """``sequence_shards``: q is one of that many devices' rows (two halves each) of a sequence-sharded call."""
     q = torch.empty(2, q_heads, q_len, head_dim, device="meta", dtype=getattr(torch, dtype))
     k = torch.empty(2, kv_heads, kv_len, head_dim, device="meta", dtype=getattr(torch, dtype))
     bias_t = {None: None, "full": torch.empty(2, q_heads, q_len, kv_len, device="meta"),
               "broadcast": torch.empty(1, q_heads, 1, kv_len, device="meta")}[bias]
     ids = [torch.empty(2, n, device="meta", dtype=torch.int32) if segments else None for n in (q_len, kv_len)]
     options = Options(causal=causal, scale=head_dim**-0.5, window=window, softcap=softcap, dropout_p=dropout_p,
-                      block_sizes=BlockSizes.default(q_len, kv_len, head_dim))  # _spec takes block_q, block_kv
+                      block_sizes=BlockSizes.default(q_len, kv_len, head_dim),  # _spec takes block_q, block_kv
+                      sequence_shard=None if sequence_shards is None else (q_len * sequence_shards, q_len // 2))
     tensors = Tensors(q=q, k=k, v=k, segment_ids=ids[0], kv_segment_ids=ids[1],
-                      bias=None if bias_t is None else bias_t.requires_grad_(), dropout_key=None)
+                      bias=None if bias_t is None else bias_t.requires_grad_(), dropout_key=None,
+                      row_offsets=None)
     return kernel_calls.kernel_spec(tensors, options, block_q, block_kv, interpret=False)
 
 
@@ -64,6 +69,9 @@ LOWERING_MATRIX = (
     + [dict(block_q=8, block_kv=128, **FEATURES["everything"]),
        dict(block_q=512, block_kv=512, q_len=1000, kv_len=1000, dtype="bfloat16", **FEATURES["causal_window"]),
        dict(q_len=1, kv_len=1, head_dim=1, block_q=8, block_kv=128)]
+    # A sequence shard: 256 of 1024 rows, masks and dropout at offsets the kernels read from SMEM.
+    + [dict(head_dim=d, dtype=t, q_len=256, kv_len=1024, sequence_shards=4, **FEATURES["everything"])
+       for d, t in ((64, "float32"), (128, "bfloat16"))]
 )
 
 
@@ -74,7 +82,8 @@ def test_each_kernel_lowers_for_tpu(params):
     _export(forward_call(spec), fwd_args)
     _export(dkv_call(spec), bwd_args)
     _export(dq_call(spec, spec.score_grad), bwd_args)
-    _export(fused_call(spec, spec.score_grad), bwd_args)
+    if not spec.sequence_shard:  # a sequence shard never takes the fused backward (backward.fused)
+        _export(fused_call(spec, spec.score_grad), bwd_args)
 
 
 @pytest.mark.parametrize("blocks", [dict(block_q=4, block_kv=128), dict(block_q=128, block_kv=100)])
@@ -101,10 +110,10 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls(fused, monkeypatch):
     q = torch.randn(2, 4, 200, 64, device=device)
     k, v = (torch.randn(2, 2, 300, 64, device=device) for _ in range(2))
     bias = torch.randn(1, 4, 1, 300, device=device)
-    seed = torch.tensor([5], device=device)
+    dropout_key = keys(torch.tensor([5], device=device), batch=2, q_heads=4)[0, 0]  # one device's (3,)
     blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
     options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1, block_sizes=blocks)
-    tensors = Tensors(q, k, v, None, None, bias, seed)
+    tensors = Tensors(q, k, v, None, None, bias, dropout_key, None)
     out, lse = kernel_calls.forward(tensors, options, interpret=False)
     grads = kernel_calls.backward(torch.ones_like(out), torch.zeros_like(lse), out, lse, tensors, options, ("bias",),
                                   interpret=False).values()

@@ -16,5 +16,5 @@ from .tuning import tune  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded", "balanced_order", "tune",
-           "tuned", "clear_tuned", "counters", "__version__"]
+__all__ = ["flash_attention", "explain", "BlockSizes", "dropout_mask", "attention_reference", "sharded",
+           "balanced_order", "tune", "tuned", "clear_tuned", "counters", "__version__"]

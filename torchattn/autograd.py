@@ -165,13 +165,12 @@ class FlashAttentionFunction(torch.autograd.Function):
         return (*(grads[name] if name in _ALWAYS or name in wanted else None for name in Tensors.names()), None, None)
 
 
-def apply(impl: str, options: tuple, tensors: Tensors):
+def apply(impl: str, tensors: Tensors, options: Options):
     """The autograd Function on ``tensors`` (one device's, under SPMD); returns (out, lse)."""
-    return FlashAttentionFunction.apply(*tensors.values(), impl, options)
+    return FlashAttentionFunction.apply(*tensors.values(), impl, options.op_arguments())
 
 
 def blockwise_attention(request: Request, backend: Backend):
     """Runs ``request`` on a blockwise backend; returns (out, lse or None)."""
-    out, lse = spmd.run(request, functools.partial(apply, backend.name, request.options.op_arguments()),
-                        per_device=backend.per_device)
+    out, lse = spmd.run(request, functools.partial(apply, backend.name), per_device=backend.per_device)
     return out, (lse if request.return_lse else None)

@@ -49,3 +49,12 @@ def row_offsets(length: int, shards: int, balanced: bool) -> torch.Tensor:
     if not balanced:
         return torch.tensor([[shard * local, shard * local + half] for shard in range(shards)])
     return torch.tensor([[c * half for c in chunks_of(shard, shards)] for shard in range(shards)])
+
+
+def to_natural(t: torch.Tensor, dim: int, shards: int) -> torch.Tensor:
+    """A sequence dim gathered from ``shards`` devices in the dual-chunk order, put back into the natural
+    order (static slices, so its gradient goes back the same way)."""
+    chunk = t.shape[dim] // (2 * shards)
+    held = [c for shard in range(shards) for c in chunks_of(shard, shards)]  # the chunk at each place
+    place = {c: i for i, c in enumerate(held)}
+    return torch.cat([t.narrow(dim, place[c] * chunk, chunk) for c in range(2 * shards)], dim=dim)

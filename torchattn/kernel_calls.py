@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from . import generations, jax_bridge
 from .kernels import arguments, vmem
 from .request import Options, Request, Tensors
-from .roles import BATCH_HEADS, PAIRS, Q_ROWS
+from .roles import PER_DEVICE, PAIRS, Q_ROWS
 from .tiling import LANES, SUBLANES, round_up
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -39,7 +39,7 @@ def kernel_arrays(tensors: Tensors) -> tuple[arguments.Array, ...]:
                         dtype=_dtype_name(t.dtype),
                         broadcast=tuple(n == 1 for n in t.shape) if field.role == PAIRS else None,
                         grad=field.role == PAIRS and field.grad and t.requires_grad)
-        for field, t in zip(Tensors.declared(), tensors.values()) if t is not None and field.role != BATCH_HEADS)
+        for field, t in zip(Tensors.declared(), tensors.values()) if t is not None and field.role != PER_DEVICE)
 
 
 def vmem_operands(request: Request) -> vmem.Operands:
@@ -105,12 +105,15 @@ def _kernel_arguments(spec, dropout_key, tensors: dict[str, torch.Tensor], backw
     return [dropout_key, *(_layout(spec, array, tensors[array.name]) for array in arguments.inputs(spec, backward))]
 
 
-def _kernel_key(dropout_key: torch.Tensor | None, device) -> torch.Tensor:
-    """The dropout key (int64 (3,), torchattn.dropout.keys) as int32 (3,): JAX runs without 64-bit
-    types; the seed's 32 bits keep their pattern, the other two entries are small."""
-    if dropout_key is None:
-        return torch.zeros(3, dtype=torch.int32, device=device)
-    return torch.where(dropout_key >= 2**31, dropout_key - 2**32, dropout_key).to(torch.int32)
+def kernel_key(tensors: Tensors) -> torch.Tensor:
+    """The kernels' prefetched key, int32 (5,) (kernels/common.py): the dropout key (int64 (3,),
+    torchattn.dropout.keys; zeros without dropout), then the row offsets (int64 (2,); zeros unsharded).
+    int32: JAX runs without 64-bit types; the seed's 32 bits keep their pattern, the rest are small."""
+    zeros = dict(dtype=torch.int64, device=tensors.q.device)
+    dropout_key = tensors.dropout_key if tensors.dropout_key is not None else torch.zeros(3, **zeros)
+    offsets = tensors.row_offsets if tensors.row_offsets is not None else torch.zeros(2, **zeros)
+    key = torch.cat([dropout_key, offsets])
+    return torch.where(key >= 2**31, key - 2**32, key).to(torch.int32)
 
 
 def _present(tensors: Tensors) -> dict[str, torch.Tensor]:
@@ -124,8 +127,7 @@ def forward(tensors: Tensors, options: Options, *, interpret: bool):
     spec = kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, interpret)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
-    kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), _present(tensors),
-                                    backward=False)
+    kernel_args = _kernel_arguments(spec, kernel_key(tensors), _present(tensors), backward=False)
     out, lse = jax_bridge.call(forward_call(spec), kernel_args, out_shapes, name="torchattn.forward",
                                interpret=interpret)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
@@ -141,7 +143,7 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
     arrays = dict(_present(tensors), do=do, lse=torch.where(lse == float("-inf"), 0.0, lse),
                   delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
-    kernel_args = _kernel_arguments(spec, _kernel_key(tensors.dropout_key, q.device), arrays, backward=True)
+    kernel_args = _kernel_arguments(spec, kernel_key(tensors), arrays, backward=True)
     pair_grads = [array for array in spec.arrays if array.role == PAIRS and array.name in wanted]
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)

@@ -9,7 +9,7 @@ import torch
 from . import dropout
 from .block_sizes import BlockSizes
 from .masks import diagonal_bounds
-from .roles import BATCH_HEADS, KV_ROWS, PAIRS, Q_ROWS
+from .roles import PER_DEVICE, KV_ROWS, PAIRS, Q_ROWS
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -53,6 +53,9 @@ class Options:
         default for the device's TPU generation (see ``BlockSizes.default``).
     generation: the TPU generation the call runs on ("v5e", ...; torchattn.generations), None off
         TPU: the kernels read their VMEM limit from it, so it is part of every trace's key.
+    sequence_shard: (global q_len, local rows per half) when the call's q is one device's shard of a
+        sequence-sharded call (torchattn.spmd): each half of its rows starts at a global position the
+        per-device ``row_offsets`` give (torchattn.context.row_offsets); None: q's rows are the global ones.
     """
 
     causal: bool
@@ -62,6 +65,7 @@ class Options:
     dropout_p: float
     block_sizes: BlockSizes
     generation: str | None = None
+    sequence_shard: tuple[int | None, int | None] | None = None
 
     @property
     def bounds(self) -> tuple[int | None, int | None]:
@@ -97,7 +101,10 @@ class Tensors:
     requires grad). A new tensor input is a new field here.
 
     dropout_key: int64 (3,) on the op side (torchattn.dropout.keys); the global form, before SPMD cuts it,
-    is the (batch shards, head shards, 3) table.
+    is the (batch shards, head shards, sequence shards, 3) table.
+    row_offsets: int64 (2,) on the op side, present iff ``Options.sequence_shard`` is: the global position of
+    the first row of each half of this device's q rows; globally the (batch shards, head shards, sequence
+    shards, 2) table (torchattn.context.row_offsets).
     """
 
     q: torch.Tensor = _tensor(Q_ROWS, heads=True, features=True, grad=True, optional=False)
@@ -106,7 +113,8 @@ class Tensors:
     segment_ids: torch.Tensor | None = _tensor(Q_ROWS, heads=False)
     kv_segment_ids: torch.Tensor | None = _tensor(KV_ROWS, heads=False)
     bias: torch.Tensor | None = _tensor(PAIRS, heads=True, grad=True)
-    dropout_key: torch.Tensor | None = _tensor(BATCH_HEADS, heads=True)
+    dropout_key: torch.Tensor | None = _tensor(PER_DEVICE, heads=True)
+    row_offsets: torch.Tensor | None = _tensor(PER_DEVICE, heads=True)
 
     @classmethod
     def declared(cls) -> tuple[Declared, ...]:
@@ -172,12 +180,19 @@ class Request:
     options: Options
     return_lse: bool
 
-    def tensors(self, batch_shards: int = 1, head_shards: int = 1) -> Tensors:
-        """The call's tensors, global, with the dropout key table of ``batch_shards`` x ``head_shards`` shards."""
-        key = None if self.seed is None else dropout.keys(self.seed, self.batch, self.q_heads, batch_shards,
-                                                          head_shards)
-        # The dropout key comes from the seed; every other declared tensor is the field of the same name here.
-        return Tensors(*[key if d.name == "dropout_key" else getattr(self, d.name) for d in _DECLARED])
+    def tensors(self, batch_shards: int = 1, head_shards: int = 1, row_offsets: torch.Tensor | None = None) -> Tensors:
+        """The call's tensors, global, with the per-device tables of ``batch_shards`` x ``head_shards`` x
+        sequence shards: the dropout key's and, for a sequence-sharded call, ``row_offsets``
+        (int64 (sequence shards, 2), torchattn.context.row_offsets)."""
+        shards = (batch_shards, head_shards, 1 if row_offsets is None else row_offsets.shape[0])
+        tables = dict(dropout_key=None, row_offsets=None)
+        if self.seed is not None:
+            key = dropout.keys(self.seed, self.batch, self.q_heads, batch_shards, head_shards)
+            tables["dropout_key"] = key[:, :, None].expand(*shards, key.shape[-1])
+        if row_offsets is not None:
+            tables["row_offsets"] = row_offsets.to(self.device).expand(*shards, 2)
+        # Every other declared tensor is the field of the same name here.
+        return Tensors(*[tables[d.name] if d.name in tables else getattr(self, d.name) for d in _DECLARED])
 
     @property
     def batch(self) -> int:

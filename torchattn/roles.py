@@ -8,4 +8,4 @@ Plain strings, so the kernels read them without importing torch or the request.
 Q_ROWS = "per q row"  # (batch, [heads,] q_len, ...)
 KV_ROWS = "per kv row"  # (batch, [heads,] kv_len, ...)
 PAIRS = "per (q, kv) pair"  # (batch|1, heads|1, q_len|1, kv_len|1): broadcast dims are 1
-BATCH_HEADS = "per batch/head"  # (batch shards, head shards, ...): one entry per device's (batch, heads) shard
+PER_DEVICE = "per device"  # (batch shards, head shards, sequence shards, ...): one entry per device's shard

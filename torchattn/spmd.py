@@ -12,6 +12,18 @@ tensors. Dropout stays exact: each shard's dropout key carries its global positi
 itself: a batch sharding stays per device; heads sharded over an axis are gathered
 inside its loop (warned once; XLA's partitioner rejects that loop in a manual region).
 
+Context parallelism (``sequence=`` axes): q, its segment ids and a bias's query side
+are cut along the sequence too; k, v, the key segment ids and a bias's key side enter
+the region whole along it, so GSPMD all-gathers them once per call (MaxText's default,
+cheap for GQA: K/V are the small side), and their gradients leave it summed over the
+sequence shards and cut back to them (a reduce-scatter). The kernels mask by global
+positions, the per-device ``row_offsets`` (torchattn.context), so causal, windows,
+segment ids crossing shards and dropout are the unsharded call's. ``balanced``: the
+tokens are in the dual-chunk order (torchattn.balanced_order); the gathered keys are
+put back into the natural order on each device. Backends that are not per device would
+run on gathered global tensors, balanced ones with wrong masks: they are refused
+(torchattn.backends.choose).
+
 Where the sharding comes from, first match wins:
 
 1. q's own sharding (``mark_sharding`` on q);
@@ -20,13 +32,14 @@ Where the sharding comes from, first match wins:
    it; the context states it once for a whole run.
 
 Neither: the call runs on the global tensors (correct, but XLA gathers them onto
-every device), with a one-time warning. Sequence and head_dim stay whole on each
-device: an input sharded along them is a ValueError naming the dimension and axis.
+every device), with a one-time warning. head_dim stays whole on each device: an input
+sharded along it is a ValueError naming the dimension and axis.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import re
@@ -34,9 +47,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import once
+from . import context, once
+from .block_sizes import BlockSizes
 from .request import Request
-from .roles import BATCH_HEADS, PAIRS
+from .roles import KV_ROWS, PAIRS, PER_DEVICE, Q_ROWS
+from .tiling import SUBLANES
 
 # The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
 # them when it matches no mesh torchattn knows.
@@ -46,11 +61,14 @@ _TILED = re.compile(r"^\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?
 
 @dataclass(frozen=True)
 class Sharding:
-    """How attention's inputs are cut: ``batch`` and ``heads`` are tuples of axis names of
-    ``mesh`` (a ``torch_xla.distributed.spmd.Mesh``); each may be empty."""
+    """How attention's inputs are cut: ``batch``, ``heads`` and ``sequence`` are tuples of axis
+    names of ``mesh`` (a ``torch_xla.distributed.spmd.Mesh``); each may be empty. ``balanced``:
+    the sequence is in the dual-chunk order (torchattn.context)."""
     mesh: object
     batch: tuple[str, ...]
     heads: tuple[str, ...]
+    sequence: tuple[str, ...] = ()
+    balanced: bool = False
 
     def ways(self, axes: tuple[str, ...]) -> int:
         return _ways(self.mesh, axes)
@@ -69,12 +87,19 @@ _contexts: list[Sharding] = []
 
 
 @contextlib.contextmanager
-def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, ...] = ()):
+def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, ...] = (),
+            sequence: str | tuple[str, ...] = (), balanced: bool = False):
     """Inside this context, torchattn calls whose q carries no sharding of its own run
-    sharded over ``mesh``: batch over the axes ``batch``, heads over the axes ``heads``.
+    sharded over ``mesh``: batch over the axes ``batch``, heads over the axes ``heads``,
+    the sequence (q's rows; K/V are gathered per call) over the axes ``sequence``.
 
-        mesh = xs.Mesh(np.arange(8), (2, 2, 2), ("data", "fsdp", "model"))
-        with torchattn.sharded(mesh, batch=("data", "fsdp"), heads="model"):
+    ``balanced``: the sequence dims of q, k, v, segment ids and bias are in the dual-chunk
+    order of :func:`torchattn.balanced_order` (device i of n holds natural chunks i and
+    2n-1-i), which evens out causal work; masks and dropout follow the natural positions.
+    The order is applied once, to the data; out and lse come back in it.
+
+        mesh = xs.Mesh(np.arange(8), (2, 1, 4), ("data", "model", "context"))
+        with torchattn.sharded(mesh, batch="data", heads="model", sequence="context", balanced=True):
             train()
     """
     import torch_xla.distributed.spmd as xs
@@ -85,16 +110,21 @@ def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, 
     if not xr.is_spmd():
         raise ValueError("mesh: torchattn.sharded needs SPMD; call torch_xla.runtime.use_spmd() "
                          "before any XLA tensor is created")
-    axes = {name: _axis_names(name, value) for name, value in (("batch", batch), ("heads", heads))}
+    axes = {name: _axis_names(name, value)
+            for name, value in (("batch", batch), ("heads", heads), ("sequence", sequence))}
     for name, names in axes.items():
         for axis in names:
             if axis not in mesh.axis_names:
                 raise ValueError(f"{name}: expected axis names of the mesh {tuple(mesh.axis_names)}, got {axis!r}")
-    both = set(axes["batch"]) & set(axes["heads"])
-    if both or len(set(axes["batch"])) < len(axes["batch"]):
-        raise ValueError(f"batch, heads: each mesh axis may shard one dimension once, got batch={axes['batch']}, "
-                         f"heads={axes['heads']}")
-    _contexts.append(Sharding(mesh, axes["batch"], axes["heads"]))
+    every = [axis for names in axes.values() for axis in names]
+    if len(set(every)) < len(every):
+        raise ValueError("batch, heads, sequence: each mesh axis may shard one dimension once, got "
+                         + ", ".join(f"{name}={names}" for name, names in axes.items()))
+    if not isinstance(balanced, bool):
+        raise TypeError(f"balanced: expected a bool, got {balanced!r}")
+    if balanced and not axes["sequence"]:
+        raise ValueError("balanced: the dual-chunk order needs sequence axes; got balanced=True with sequence=()")
+    _contexts.append(Sharding(mesh, axes["batch"], axes["heads"], axes["sequence"], balanced))
     try:
         yield _contexts[-1]
     finally:
@@ -120,7 +150,7 @@ def xla_spmd(request: Request) -> bool:
 def resolve(request: Request) -> Sharding | str | None:
     """How ``request``'s inputs are sharded: a Sharding; "whole" (q is replicated, or already
     per device); None (not SPMD, or nothing says). ValueError for a sharding torchattn cannot
-    run per device (sequence or head_dim sharded, sizes not divisible)."""
+    run per device (head_dim sharded, sizes not divisible)."""
     if not xla_spmd(request):
         return None
     own = _from_input(request.q)
@@ -144,7 +174,7 @@ def _from_input(q: torch.Tensor):
     match = _TILED.match(text)
     if match is None:
         raise ValueError(f"q: sharding {text} is not a tiling torchattn can run per device; mark q "
-                         "with a partition spec over a Mesh (batch and heads dims only)")
+                         "with a partition spec over a Mesh (batch, heads and sequence dims only)")
     tiles = tuple(int(n) for n in match.group(1).split(","))
     devices = tuple(int(n) for n in match.group(2).split(","))
     if match.group(3) is None:
@@ -154,12 +184,13 @@ def _from_input(q: torch.Tensor):
     if spec is None:  # a mesh of q's own tiling, one axis per dim, named after the dims
         known = xs.Mesh(list(devices), tiles, (*_DIM_NAMES, "replicas"))
         spec = tuple((name,) if n > 1 else () for name, n in zip(_DIM_NAMES, tiles))
-    for dim in (2, 3):
-        if spec[dim]:
-            raise ValueError(f"q: dimension {dim} ({_DIM_NAMES[dim]}) is sharded over mesh axes {spec[dim]}; "
-                             "torchattn shards attention over batch (dim 0) and heads (dim 1) only: keep "
-                             f"{_DIM_NAMES[dim]} whole on each device (None in its partition spec)")
-    return Sharding(known, spec[0], spec[1])
+    if spec[3]:
+        raise ValueError(f"q: dimension 3 (head_dim) is sharded over mesh axes {spec[3]}; torchattn shards "
+                         "attention over batch (dim 0), heads (dim 1) and the sequence (dim 2) only: keep "
+                         "head_dim whole on each device (None in its partition spec)")
+    # The dual-chunk order is data, not a layout: only a torchattn.sharded context can declare it.
+    balanced = bool(spec[2]) and bool(_contexts) and _contexts[-1].balanced and _contexts[-1].sequence == spec[2]
+    return Sharding(known, spec[0], spec[1], spec[2], balanced)
 
 
 def _tiling(mesh, spec: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -195,11 +226,21 @@ def _check(sharding: Sharding, request: Request) -> None:
         if size % ways:
             raise ValueError(f"{what}: {size} is not divisible by mesh axes {axes} ({ways} devices); "
                              "expected a multiple of their size")
+    if sharding.sequence:
+        shards = sharding.ways(sharding.sequence)
+        for what, size in (("q_len (dim 2 of q)", q.shape[2]), ("kv_len (dim 2 of k, v)", k.shape[2])):
+            context.check_length(what, size, shards, sharding.balanced)
+
+
+def sequence_sharded(request: Request) -> bool:
+    """Whether ``request`` runs sequence-sharded (context parallelism)."""
+    sharding = resolve(request)
+    return isinstance(sharding, Sharding) and bool(sharding.sequence)
 
 
 def run(request: Request, attention, *, per_device: bool):
-    """Runs ``attention(Tensors) -> (out, lse)`` on each device's shard of ``request`` when ``per_device``
-    and it is sharded, else once on the global tensors; returns global (out, lse)."""
+    """Runs ``attention(Tensors, Options) -> (out, lse)`` on each device's shard of ``request`` when
+    ``per_device`` and it is sharded, else once on the global tensors; returns global (out, lse)."""
     q = request.q
     sharding = resolve(request)
     if sharding is None and per_device and xla_spmd(request):
@@ -214,41 +255,83 @@ def run(request: Request, attention, *, per_device: bool):
                   f"heads sharded over {sharding.heads} inside its loop (XLA's partitioner rejects the loop in a "
                   "manual-sharding region). The 'pallas' backend (TPU) runs per device.", stacklevel=5)
     if not per_device or not isinstance(sharding, Sharding):
-        return attention(request.tensors().map(_one_shard))
-    b, h = sharding.batch, sharding.heads
-    tensors = request.tensors(sharding.ways(b), sharding.ways(h))
-    out, lse = attention(tensors.map(lambda field, t: _one_shard(field, _local(sharding, field, t))))
-    return (_ToGlobal.apply(out, sharding.mesh, sharding.spec(b, h, None, None), q.shape),
-            _ToGlobal.apply(lse, sharding.mesh, sharding.spec(b, h, None), q.shape[:3]))
+        return attention(request.tensors().map(_one_shard), request.options)
+    b, h, s = sharding.batch, sharding.heads, sharding.sequence
+    options, offsets = request.options, None
+    if s:
+        shards = sharding.ways(s)
+        offsets = context.row_offsets(request.q_len, shards, sharding.balanced)
+        options = dataclasses.replace(options, sequence_shard=(request.q_len, request.q_len // shards // 2),
+                                      block_sizes=_local_blocks(sharding, request))
+    tensors = request.tensors(sharding.ways(b), sharding.ways(h), offsets)
+    out, lse = attention(tensors.map(lambda field, t: _one_shard(field, _local(sharding, field, t))), options)
+    return (_ToGlobal.apply(out, sharding.mesh, sharding.spec(b, h, s, None), q.shape),
+            _ToGlobal.apply(lse, sharding.mesh, sharding.spec(b, h, s), q.shape[:3]))
+
+
+def _local_blocks(sharding: Sharding, request: Request) -> BlockSizes:
+    """The call's block sizes on one device's rows: clamped to them and, balanced, dividing each half (a
+    query block must lie in one chunk, whose rows share one offset)."""
+    local = request.q_len // sharding.ways(sharding.sequence)
+    blocks = request.options.block_sizes.clamped(local, request.kv_len)
+    if not sharding.balanced:
+        return blocks
+    half = local // 2
+    if half % SUBLANES:
+        raise ValueError(f"sequence: balanced, each device's {local} rows are two chunks of {half}; a chunk must be "
+                         f"a multiple of {SUBLANES} rows (a query block), got {half}")
+
+    def dividing(block: int) -> int:
+        return max(size for size in range(SUBLANES, min(block, half) + 1, SUBLANES) if half % size == 0)
+
+    return dataclasses.replace(blocks, block_q=dividing(blocks.block_q), block_q_bwd=dividing(blocks.block_q_bwd))
 
 
 def _local(sharding: Sharding, field, t: torch.Tensor) -> torch.Tensor:
     """This device's shard of the declared tensor ``field`` (torchattn.request.Tensors): cut along batch
-    (dim 0) and, for a field with heads, heads (dim 1); everything after stays whole."""
-    cut = (sharding.batch, sharding.heads) if field.heads else (sharding.batch,)
+    (dim 0), heads (dim 1, for a field with heads) and, for query rows, the sequence; key rows enter
+    whole along the sequence (gathered), in the natural order; everything else stays whole."""
+    lead = (sharding.batch, sharding.heads) if field.heads else (sharding.batch,)
+    seq = sharding.sequence
+    if field.role == PER_DEVICE:
+        cut = (*lead, seq)
+    elif field.role == Q_ROWS:
+        cut = (*lead, seq)
+    elif field.role == KV_ROWS:
+        cut = (*lead, ())
+    else:  # PAIRS: (batch, heads, q rows, kv rows)
+        cut = (*lead, seq, ())
     summed = None
     if field.role == PAIRS:
-        # A dim broadcast over batch (or heads) is whole on each device; its gradient is summed over the shards.
+        # A dim broadcast over batch, heads or q rows is whole on each device; its gradient is summed over the shards.
         summed = {dim: axes for dim, axes in enumerate(cut) if t.shape[dim] == 1 and axes} or None
         cut = tuple(() if summed and dim in summed else axes for dim, axes in enumerate(cut))
+    # Key rows are whole on every sequence shard: their gradients are partial sums, added up over the shards.
+    gathered = (seq, len(lead)) if seq and field.role == KV_ROWS else None
     spec = sharding.spec(*cut, *(None,) * (t.dim() - len(cut)))
-    return _ToLocal.apply(t, sharding.mesh, spec, summed)
+    local = _ToLocal.apply(t, sharding.mesh, spec, summed, gathered)
+    key_dim = len(lead) if field.role == KV_ROWS else 3 if field.role == PAIRS else None
+    if sharding.balanced and key_dim is not None and local.shape[key_dim] > 1:
+        return context.to_natural(local, key_dim, sharding.ways(seq))
+    return local
 
 
 def _one_shard(field, t: torch.Tensor) -> torch.Tensor:
-    """A per-batch/head table holds one entry per device: each device's call takes its own, flat."""
-    return t.view(t.shape[2:]) if field.role == BATCH_HEADS else t
+    """A per-device table holds one entry per device: each device's call takes its own, flat."""
+    return t.view(t.shape[3:]) if field.role == PER_DEVICE else t
 
 
 class _ToLocal(torch.autograd.Function):
     """Global tensor -> this device's shard (manual sharding); the gradient goes back to global.
-    ``summed`` {dim: axes}: dims of size 1 the shards use whole; their gradients add up over axes."""
+    ``summed`` {dim: axes}: dims of size 1 the shards use whole; their gradients add up over axes.
+    ``gathered`` (axes, dim) or None: the tensor is whole over the axes (GSPMD gathers it along dim);
+    each shard's gradient is a partial sum, added up over them and cut back along dim."""
 
     @staticmethod
-    def forward(ctx, t, mesh, spec, summed):
+    def forward(ctx, t, mesh, spec, summed, gathered):
         import torch_xla.distributed.spmd as xs
 
-        ctx.mesh, ctx.spec, ctx.summed, ctx.shape = mesh, spec, summed, t.shape
+        ctx.mesh, ctx.spec, ctx.summed, ctx.gathered, ctx.shape = mesh, spec, summed, gathered, t.shape
         return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
 
     @staticmethod
@@ -257,12 +340,23 @@ class _ToLocal(torch.autograd.Function):
 
         spec, shape = list(ctx.spec), list(ctx.shape)
         for dim, axes in (ctx.summed or {}).items():  # one gradient per shard along dim, then their sum
-            spec[dim] = axes[0] if len(axes) == 1 else axes
+            spec[dim] = _spec_axes(axes)
             shape[dim] = _ways(ctx.mesh, axes)
+        if ctx.gathered:  # one partial gradient per sequence shard, along a new leading dim
+            axes, rows = ctx.gathered
+            grad, spec, shape = grad.unsqueeze(0), [_spec_axes(axes), *spec], [_ways(ctx.mesh, axes), *shape]
         grad = xs.disable_manual_sharding(grad, tuple(spec), torch.Size(shape), mesh=ctx.mesh).global_tensor
+        if ctx.gathered:
+            grad = grad.sum(dim=0)
+            xs.mark_sharding(grad, ctx.mesh, tuple(_spec_axes(axes) if dim == rows else dim_axes
+                                                   for dim, dim_axes in enumerate(ctx.spec)))
         if ctx.summed:
             grad = grad.sum(dim=tuple(ctx.summed), keepdim=True)
-        return grad, None, None, None
+        return grad, None, None, None, None
+
+
+def _spec_axes(axes: tuple[str, ...]):
+    return axes[0] if len(axes) == 1 else axes
 
 
 class _ToGlobal(torch.autograd.Function):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autograd, devices, kernel_calls, once
+from .. import autograd, devices, kernel_calls, once, spmd
 from ..backend import Backend
 from ..kernels import vmem
 from ..request import Request
@@ -40,6 +40,12 @@ def choose(request: Request, backend: str = "auto") -> Choice:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
     reasons = {name: BACKENDS[name].unavailable(request) for name in BACKENDS}
+    if spmd.sequence_sharded(request):
+        for name in BACKENDS:
+            if reasons[name] is None and not BACKENDS[name].per_device:
+                reasons[name] = ("it runs on the global tensors, so a sequence-sharded call (torchattn.sharded("
+                                 "sequence=...)) would be gathered onto every device and, in the dual-chunk order, "
+                                 "masked wrongly; the 'pallas' (TPU) and 'interpret' backends run it per device")
     if backend != "auto":
         if reasons[backend] is not None:
             raise ValueError(f"backend: {backend!r} cannot serve this call: {reasons[backend]}")
@@ -48,7 +54,10 @@ def choose(request: Request, backend: str = "auto") -> Choice:
         return Choice(chosen, passed_over)
     kind = devices.kind(request.device)
     order = _PREFERENCE[kind]
-    chosen = next(name for name in order if reasons[name] is None)  # reference serves everything
+    chosen = next((name for name in order if reasons[name] is None), None)  # reference serves all but sharded rows
+    if chosen is None:
+        raise ValueError("backend: no backend can serve this call: "
+                         + "; ".join(f"{name!r}: {reason}" for name, reason in reasons.items()))
     passed_over = {}
     for name, reason in reasons.items():
         if name == chosen:

@@ -1,6 +1,7 @@
 """The kernels' argument contract: the arrays each kernel takes, their order, padded shapes and blocks.
 
-Every kernel takes the dropout key, int32 (3,) (prefetched into SMEM; see torchattn.dropout.keys), then the
+Every kernel takes the key, int32 (KEY_LENGTH,) (prefetched into SMEM: the dropout key, torchattn.dropout.keys,
+then a sequence shard's row offsets, torchattn.context.row_offsets), then the
 call's arrays (``KernelSpec.arrays``, declared by the torch side from torchattn.request.Tensors) and, in the
 backward kernels, :func:`backward_arrays`. Each array is an :class:`Array`, and everything here follows from
 its shape role (torchattn/roles.py), so an input of an existing role needs no code in this file:
@@ -29,6 +30,7 @@ from ..roles import PAIRS, Q_ROWS
 from ..tiling import LANES, SUBLANES
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
+KEY_LENGTH = 5  # the prefetched key: dropout seed, first batch-head, heads; then two row offsets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +119,7 @@ def shape(spec, array: Array) -> tuple[int, ...]:
 
 def shapes(spec, backward: bool) -> list[tuple[tuple[int, ...], str]]:
     """(shape, dtype name) of the dropout key and of each array a kernel takes, in argument order."""
-    return [((3,), "int32"), *((shape(spec, array), array.dtype) for array in inputs(spec, backward))]
+    return [((KEY_LENGTH,), "int32"), *((shape(spec, array), array.dtype) for array in inputs(spec, backward))]
 
 
 def unpack(spec, refs, backward: bool):

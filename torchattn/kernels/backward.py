@@ -74,7 +74,7 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     """
     # (block_q, block_kv): each row's lse and delta, held in all 128 lanes, repeated as whole vregs.
     lse, delta = (lanes(inputs[name][...], k.shape[0]) for name in ("lse", "delta"))
-    s, keep, capped = block_scores(spec, q, k, q_block, kv_block, load(inputs.get("segment_ids")),
+    s, keep, capped = block_scores(spec, key_ref, q, k, q_block, kv_block, load(inputs.get("segment_ids")),
                                    load(inputs.get("kv_segment_ids")), load(inputs.get("bias")), masked)
     p = jnp.exp(s - lse)  # (block_q, block_kv)
     if keep is not None:
@@ -95,7 +95,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     ds_ref = refs.pop(0) if with_ds else None
     (dq_acc,) = refs
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
-    visible = spec.blocks.visible(q_block, kv_block, jnp)
+    visible = spec.geometry(key_ref).visible(q_block, kv_block, jnp)
 
     @pl.when(kv_block == 0)
     def _init():
@@ -112,7 +112,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
         if with_ds:
             ds_ref[...] = ds
 
-    tile_paths(spec, q_block, kv_block, visible, tile)
+    tile_paths(spec, key_ref, q_block, kv_block, visible, tile)
 
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
@@ -131,14 +131,13 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
     batch, kv_head, kv_block, step = (pl.program_id(i) for i in range(4))
     head = kv_head * spec.groups + step // spec.num_q_blocks
     q_block = step % spec.num_q_blocks
-    visible = spec.blocks.visible(q_block, kv_block, jnp)
 
     @pl.when(step == 0)
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    visible = spec.blocks.visible(q_block, kv_block, jnp)
+    visible = spec.geometry(key_ref).visible(q_block, kv_block, jnp)
 
     def tile(masked: bool):
         q, k, do = inputs["q"][...], inputs["k"][...], inputs["do"][...]
@@ -155,7 +154,7 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
         if with_ds:
             ds_ref[...] = ds
 
-    tile_paths(spec, q_block, kv_block, visible, tile)
+    tile_paths(spec, key_ref, q_block, kv_block, visible, tile)
 
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
@@ -179,8 +178,11 @@ def fused(spec: KernelSpec) -> bool:
     partials' memory, float32 (batch, q_heads, slots, q_pad, head_dim): 2 GiB at 8k tokens and 32
     heads, 32 GiB at 32k. So: fused when its partials take at most PARTIALS_HBM_FRACTION of the
     generation's HBM (a judgment: they share it with the step's activations) and it fits its VMEM;
-    off a TPU (no generation) always.
+    off a TPU (no generation) always; never for a sequence shard, whose partials' slots would depend on
+    its row offsets (data).
     """
+    if spec.sequence_shard:  # its dq partials' slots would depend on the shard's offsets (data)
+        return False
     if spec.options.generation is None:
         return True
     chip = generations.get(spec.options.generation)
@@ -238,8 +240,8 @@ def fused_call(spec: KernelSpec, with_ds: bool):
 def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
     bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
 
-    def coords(b, hk, j, t):  # t walks (query head in the group, query block); skipped steps re-use a fetched block
-        return b, hk * g + t // nq, hk, spec.blocks.fetched_q_block(j, t % nq, jnp), j
+    def coords(b, hk, j, t, key_ref):  # t walks (query head in the group, query block); skipped steps re-use
+        return b, hk * g + t // nq, hk, spec.geometry(key_ref).fetched_q_block(j, t % nq, jnp), j  # a fetched block
 
     in_specs = block_specs(spec, coords, backward=True)
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
@@ -248,7 +250,7 @@ def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
     if fused:
         slots = spec.blocks.dq_partial_slots
         out_specs.append(pl.BlockSpec((None, None, None, bq, d), lambda b, hk, j, t, key_ref: (
-            b, hk * g + t // nq, spec.blocks.dq_partial_slot(j, t % nq, jnp), coords(b, hk, j, t)[3], 0)))
+            b, hk * g + t // nq, spec.blocks.dq_partial_slot(j, t % nq, jnp), coords(b, hk, j, t, key_ref)[3], 0)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, slots, spec.q_pad, d), jnp.float32))
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, hk, j, t, key_ref: (

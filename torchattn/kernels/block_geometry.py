@@ -11,6 +11,13 @@ for the cost estimate): ``xp`` is the array module whose ``minimum`` and
 Block indices run over ``ceil(length / block)`` blocks per axis, so every block
 holds at least one real query or key. ``left`` and ``right`` are >= 0 or None,
 as :func:`torchattn.masks.diagonal_bounds` gives them.
+
+Under a sequence sharding (torchattn.spmd) the query rows are one device's: ``q_len``
+of them, padded as ever, but masked at their global positions. Each half of them
+(``half`` rows) starts at its own global row, ``offsets`` (traced in the kernels: the
+per-device row offsets are data), and the band sits on the global diagonal of
+``global_q_len`` queries. A query block lies within one half (torchattn.spmd picks
+such blocks), so one offset places all its rows. The keys are all of them.
 """
 
 from __future__ import annotations
@@ -37,12 +44,30 @@ class BlockGeometry:
     block_kv: int
     left: int | None
     right: int | None
+    global_q_len: int | None = None  # the queries the band is laid over; None: q_len (rows are global)
+    half: int | None = None
+    offsets: tuple | None = None  # (global row of local row 0, of local row ``half``); None: rows are global
 
     def transposed(self) -> "BlockGeometry":
         """Keys as rows: key j, on the diagonal at j' = j + (q_len - kv_len), sees query i iff
         j' - right <= i <= j' + left: the same band, its sides swapped."""
+        if self.offsets is not None:
+            raise NotImplementedError("a sequence shard's queries are two runs of rows: keys as rows see no band")
         return BlockGeometry(q_len=self.kv_len, kv_len=self.q_len, block_q=self.block_kv, block_kv=self.block_q,
                              left=self.right, right=self.left)
+
+    def row_shift(self, q_block):
+        """Global row minus local row for the rows of query block ``q_block`` (0 without offsets); operators
+        only, so block indices may be jax values, NumPy arrays or ints."""
+        if self.offsets is None:
+            return 0
+        first, second = self.offsets
+        return first + (q_block * self.block_q >= self.half) * (second - self.half - first)
+
+    def _band(self, rows):
+        """(first, last) key of global query ``rows`` by the band (masks.band on the global diagonal)."""
+        return masks.band(rows, q_len=self.global_q_len or self.q_len, kv_len=self.kv_len, left=self.left,
+                          right=self.right)
 
     def visible(self, q_block, kv_block, xp):
         """Whether some (query, key) pair of the tile is visible; False tiles are skipped."""
@@ -64,8 +89,9 @@ class BlockGeometry:
         q_start, kv_start = q_block * self.block_q, kv_block * self.block_kv
         q_end, kv_end = q_start + self.block_q, kv_start + self.block_kv
         full = (q_end <= self.q_len) & (kv_end <= self.kv_len)
-        first, _ = masks.band(q_end - 1, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
-        _, last = masks.band(q_start, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+        shift = self.row_shift(q_block)
+        first, _ = self._band(q_end - 1 + shift)
+        _, last = self._band(q_start + shift)
         if first is not None:
             full = full & (first <= kv_start)
         if last is not None:
@@ -86,7 +112,10 @@ class BlockGeometry:
         return xp.minimum(xp.maximum(kv_block, first_block), last_block)
 
     def fetched_q_block(self, kv_block, q_block, xp):
-        """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``q_block``."""
+        """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``q_block``.
+        A sequence shard's queries a key block sees form two runs, not one: each step fetches its own."""
+        if self.offsets is not None:
+            return q_block
         return self.transposed().fetched_kv_block(kv_block, q_block, xp)
 
     def kv_blocks_seen(self, q_block, xp):
@@ -129,8 +158,9 @@ class BlockGeometry:
         """
         q_start = q_block * self.block_q
         q_last = xp.minimum(q_start + self.block_q, self.q_len) - 1
-        first, _ = masks.band(q_start, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
-        _, last = masks.band(q_last, q_len=self.q_len, kv_len=self.kv_len, left=self.left, right=self.right)
+        shift = self.row_shift(q_block)
+        first, _ = self._band(q_start + shift)
+        _, last = self._band(q_last + shift)
         first = 0 if first is None else xp.maximum(first, 0)
         last = self.kv_len - 1 if last is None else xp.minimum(last, self.kv_len - 1)
         return first, last

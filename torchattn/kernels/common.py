@@ -61,11 +61,30 @@ class KernelSpec:
         return self.kv_pad // self.block_kv
 
     @property
+    def sequence_shard(self) -> bool:
+        """q is one device's rows of a sequence-sharded call: masks and dropout take their global positions
+        from the prefetched row offsets (:func:`row_offsets`)."""
+        return self.options.sequence_shard is not None
+
+    @property
     def blocks(self) -> BlockGeometry:
-        """Which tiles are computed and which blocks the index maps fetch (``xp``: jax.numpy in the kernels)."""
+        """Which tiles are computed and which blocks the index maps fetch, as known before the kernels run:
+        for a sequence shard, the rows of the last shard (which sees the most keys): an upper bound on the
+        work for the cost estimate. The kernels use :meth:`geometry`."""
+        if not self.sequence_shard:
+            return self._geometry(None)
+        rows, half = self.options.sequence_shard
+        return self._geometry((rows - self.q_len, rows - self.q_len + half))
+
+    def geometry(self, key_ref) -> BlockGeometry:
+        """The kernels' block geometry: a sequence shard's rows at the offsets prefetched in ``key_ref``."""
+        return self._geometry(row_offsets(key_ref)) if self.sequence_shard else self.blocks
+
+    def _geometry(self, offsets) -> BlockGeometry:
         left, right = self.options.bounds
+        rows, half = self.options.sequence_shard or (None, None)
         return BlockGeometry(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q, block_kv=self.block_kv,
-                             left=left, right=right)
+                             left=left, right=right, global_q_len=rows, half=half, offsets=offsets)
 
     @property
     def transposed_gradients(self) -> bool:
@@ -97,7 +116,18 @@ def load(ref):
     return None if ref is None else ref[...]
 
 
-def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias, masked: bool):
+def row_offsets(key_ref):
+    """(global row of local row 0, of local row ``half``) of a sequence shard: the prefetched key's last two
+    entries (kernels/arguments.py, KEY_LENGTH; torchattn.kernel_calls.kernel_key)."""
+    return key_ref[3], key_ref[4]
+
+
+def global_rows(spec: KernelSpec, key_ref, q_block, rows):
+    """The global positions of local query ``rows`` of block ``q_block`` (the rows themselves unsharded)."""
+    return rows + spec.geometry(key_ref).row_shift(q_block) if spec.sequence_shard else rows
+
+
+def block_scores(spec: KernelSpec, key_ref, q, k, q_block, kv_block, q_ids, kv_ids, bias, masked: bool):
     """Scores and visibility of one (block_q, block_kv) tile.
 
     q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
@@ -129,8 +159,11 @@ def block_scores(spec: KernelSpec, q, k, q_block, kv_block, q_ids, kv_ids, bias,
     cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
     # Padded query rows see nothing, so their lse is -inf.
     left, right = options.bounds
-    keep = masks.visible(rows, cols, q_len=spec.q_len, kv_len=spec.kv_len, left=left, right=right,
-                         q_ids=q_ids, kv_ids=kv_ids)
+    q_len = options.sequence_shard[0] if spec.sequence_shard else spec.q_len
+    keep = masks.visible(global_rows(spec, key_ref, q_block, rows), cols, q_len=q_len, kv_len=spec.kv_len,
+                         left=left, right=right, q_ids=q_ids, kv_ids=kv_ids)
+    if spec.sequence_shard:  # padding is local: a padded row's global position may be a real one's
+        keep = keep & (rows < spec.q_len)
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
 
@@ -141,24 +174,27 @@ def paths(spec: KernelSpec) -> tuple[str, ...]:
     """The tile paths the kernels of ``spec`` build, in program order: mask-free for full tiles (every pair
     visible by the band and the lengths, BlockGeometry.full: no band or padding mask; segment ids, which are
     data, still compared), masked for the other visible ones. A call without band and padding has only full
-    tiles; a path no tile takes is not built."""
+    tiles; a path no tile takes is not built. A sequence shard's tiles depend on its offsets (data): with a
+    band or padding, both paths are built."""
     import numpy as np
 
     if spec.blocks.every_tile_full:
         return (MASK_FREE,)
+    if spec.sequence_shard:
+        return MASK_FREE, MASKED
     q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
     full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape)
     partial = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape) & ~full
     return tuple(path for path, tiles in ((MASK_FREE, full), (MASKED, partial)) if tiles.any())
 
 
-def tile_paths(spec: KernelSpec, q_block, kv_block, visible, tile) -> None:
+def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile) -> None:
     """Runs ``tile(masked)`` on a visible tile, on the path :func:`paths` gives it."""
     built = paths(spec)
     if len(built) == 1:
         pl.when(visible)(lambda: tile(masked=built[0] == MASKED))
         return
-    full = spec.blocks.full(q_block, kv_block)
+    full = spec.geometry(key_ref).full(q_block, kv_block)
     pl.when(full)(lambda: tile(masked=False))
     pl.when(visible & jnp.logical_not(full))(lambda: tile(masked=True))
 
@@ -171,7 +207,8 @@ def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, sha
     column = jnp.zeros((bq, 1), jnp.int32)
     seeds = jax.lax.bitcast_convert_type(column + key_ref[0], jnp.uint32)
     batch_head = (column + (key_ref[1] + batch * key_ref[2] + head)).astype(jnp.uint32)
-    rows = (q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)).astype(jnp.uint32)
+    rows = global_rows(spec, key_ref, q_block, q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0))
+    rows = rows.astype(jnp.uint32)
     cols = (kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)).astype(jnp.uint32)
     bits = dropout.element_bits(dropout.row_keys(seeds, batch_head, rows), dropout.column_keys(cols))
     keep = bits >= jnp.uint32(dropout.keep_threshold(spec.options.dropout_p))
@@ -185,8 +222,8 @@ def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, sha
 def q_grid_coords(spec: KernelSpec):
     """What a (batch, q_heads, q_blocks, kv_blocks) grid step reads: (batch, head, kv_head, q_block,
     kv_block). GQA: query head h reads kv head h // groups; skipped kv blocks re-use a fetched one."""
-    def coords(b, h, i, j):
-        return b, h, h // spec.groups, i, spec.blocks.fetched_kv_block(i, j, jnp)
+    def coords(b, h, i, j, key_ref):
+        return b, h, h // spec.groups, i, spec.geometry(key_ref).fetched_kv_block(i, j, jnp)
 
     return coords
 
@@ -194,23 +231,23 @@ def q_grid_coords(spec: KernelSpec):
 def block_specs(spec: KernelSpec, coords, backward: bool) -> list[pl.BlockSpec]:
     """The BlockSpecs of a kernel's input arrays (kernels/arguments.py), in argument order, on one grid.
 
-    coords(*grid indices) -> (batch, head, kv_head, q_block, kv_block) of the step; each array's
+    coords(*grid indices, key_ref) -> (batch, head, kv_head, q_block, kv_block) of the step; each array's
     index map picks its own from them by its role (:meth:`arguments.Array.block_index`).
     """
     return [block_spec(spec, array, coords) for array in arguments.inputs(spec, backward)]
 
 
 def block_spec(spec: KernelSpec, array: arguments.Array, coords) -> pl.BlockSpec:
-    """The BlockSpec of ``array`` on the grid ``coords`` describes; the last grid index is the dropout key's ref."""
+    """The BlockSpec of ``array`` on the grid ``coords`` describes; index maps get the prefetched key last."""
     return pl.BlockSpec(array.block(spec.block_q, spec.block_kv, spec.head_dim),
-                        lambda *grid: array.block_index(*coords(*grid[:-1])))
+                        lambda *grid: array.block_index(*coords(*grid)))
 
 
 def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,
                     cost_estimate: pl.CostEstimate):
     """The jax function ``(dropout_key, *arrays) -> tuple of outputs`` around one pallas_call.
 
-    The dropout key (int32 (3,)) is prefetched into SMEM; the last grid axis is the
+    The key (int32 (5,): the dropout key, then row offsets) is prefetched into SMEM; the last grid axis is the
     sequential (accumulating) one. ``cost_estimate`` (see :mod:`.cost`) is what
     XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
     """

@@ -33,7 +33,7 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def tile(masked: bool):
-        s, _, _ = block_scores(spec, inputs["q"][...], inputs["k"][...], q_block, kv_block,
+        s, _, _ = block_scores(spec, key_ref, inputs["q"][...], inputs["k"][...], q_block, kv_block,
                                load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids")),
                                load(inputs.get("bias")), masked)  # s: (block_q, block_kv)
         # The running max and denominator stay (block_q, 128), each row's value in all its lanes: widening
@@ -52,7 +52,7 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
                                  preferred_element_type=jnp.float32)
         acc_ref[...] = acc_ref[...] * lanes(alpha, acc_ref.shape[1]) + pv
 
-    tile_paths(spec, q_block, kv_block, spec.blocks.visible(q_block, kv_block, jnp), tile)
+    tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref).visible(q_block, kv_block, jnp), tile)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():
@@ -69,7 +69,7 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
 def forward_call(spec: KernelSpec):
     """The jax function (dropout_key, q, k, v, [segment_ids, kv_segment_ids], [bias]) -> (out, lse).
 
-    Shapes: dropout_key int32 (3,); q (batch, q_heads, q_pad, head_dim); k, v (batch,
+    Shapes: dropout_key int32 (5,) (kernels/common.py: KEY_LENGTH); q (batch, q_heads, q_pad, head_dim); k, v (batch,
     kv_heads, kv_pad, head_dim); segment_ids int32 (batch, q_pad, 128); kv_segment_ids int32
     (batch, 8, kv_pad); bias as kernels/arguments.py lays it out. Returns out like q and lse
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,

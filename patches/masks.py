@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from torchattn import once
+from torchattn import context, once, spmd
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -97,10 +97,26 @@ def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
     if position_ids is not None and position_ids.dim() == 2 and q_len == kv_len > 1:
         # A new document wherever the position does not continue by one (masking_utils'
         # rule). Unpacked rows (0, 1, 2, ...) get one id throughout: nothing is masked.
+        # Tokens in the dual-chunk order follow each other only in the natural order: the
+        # rule runs there and its ids go back to the tokens' places.
         pos = position_ids.expand(batch, q_len)
+        order = _balanced_order(q_len)
+        if order is not None:
+            pos = pos.index_select(1, torch.argsort(order).to(pos.device))
         ids = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1).cumsum(-1).to(torch.int32)
+        if order is not None:
+            ids = ids.index_select(1, order.to(pos.device))
         return MaskArguments(segment_ids=ids, kv_segment_ids=ids)
     return MaskArguments()
+
+
+def _balanced_order(length: int) -> torch.Tensor | None:
+    """The natural index of each token (torchattn.balanced_order, on the CPU) inside a
+    ``torchattn.sharded(..., balanced=True)`` context, whose tokens are in the dual-chunk order; else None."""
+    sharding = spmd._contexts[-1] if spmd._contexts else None
+    if sharding is None or not sharding.balanced:
+        return None
+    return context.balanced_order(length, sharding.ways(sharding.sequence))
 
 
 def _ids_from_cu_seq_lens(cu: torch.Tensor, length: int) -> torch.Tensor:

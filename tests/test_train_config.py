@@ -8,7 +8,7 @@ import json
 import pytest
 
 from train.config import (FIELDS, FLAGS, GROUPS, RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args,
-                          save_config)
+                          resume_changes, save_config)
 
 # Every flag issue 7 names, spelled as it does.
 ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
@@ -127,7 +127,8 @@ def test_resume_reads_a_flat_config_json_into_the_groups_and_writes_it_back_the_
             config.checkpoint.keep_checkpoints, config.model.grad_checkpointing) == ("m", "body", "cosine", 5, 1, True)
     save_config(config, str(tmp_path / "again.json"))
     assert (tmp_path / "again.json").read_text() == OLD_CONFIG_JSON.replace("OUT", str(tmp_path)).replace(
-        '"resume": false', '"resume": true')
+        '"resume": false', '"resume": true').replace('"mesh": null,', '"mesh": null,\n  "balance_context": false,'), \
+        "a key added since (--balance-context) is written with its default"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -159,8 +160,8 @@ def test_mesh_axes_in_layout_order_from_flag_and_file(tmp_path):
     assert parse_args(["--config", str(path)]).parallel.mesh is None, "the flag's none"
 
 
-MESH_EXPECTED = ("expected axis=size pairs separated by commas, axes from data, fsdp, model (each at most once), "
-                 "sizes positive integers")
+MESH_EXPECTED = ("expected axis=size pairs separated by commas, axes from data, fsdp, context, model (each at most "
+                 "once), sizes positive integers")
 
 
 @pytest.mark.parametrize("value", ["data=0", "data=2,data=2", "tensor=2", "data=2.5", "data", "data=-1", "",
@@ -177,6 +178,78 @@ def test_mesh_needs_a_global_batch_the_batch_axes_divide():
         parse_args(["--mesh", "data=2,fsdp=2", "--batch-size", "6"])
     assert str(error.value) == "--batch-size: expected a multiple of 4 (the data x fsdp devices of --mesh " \
                                "data=2,fsdp=2), got 6"
+
+
+def test_a_context_axis_splits_the_sequence_and_not_the_batch():
+    config = parse_args(["--recipe", "sotu-lm", "--max-length", "256", "--mesh", "context=2,model=2,fsdp=2",
+                         "--batch-size", "2"])
+    assert list(mesh_axes(config.parallel.mesh)) == ["fsdp", "context", "model"]
+    assert config.parallel.context == 2
+    assert not config.parallel.balance_context, "off unless asked for"
+    balanced = parse_args(["--recipe", "sotu-lm", "--max-length", "256", "--mesh", "fsdp=2,context=2", "--batch-size",
+                           "2", "--balance-context"])
+    assert balanced.parallel.balance_context
+    assert parse_args(["--mesh", "fsdp=2"]).parallel.context == 1
+    assert parse_args(["--mesh", "none"]).parallel.context == 1
+
+
+LM_CONTEXT = ["--recipe", "sotu-lm", "--max-length", "256", "--batch-size", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (LM_CONTEXT + ["--balance-context"],
+     "--balance-context: expected --mesh with a context axis of 2 or more devices (the order it balances is the "
+     "sequence's over them), got --mesh auto"),
+    (LM_CONTEXT + ["--balance-context", "--mesh", "fsdp=2"],
+     "--balance-context: expected --mesh with a context axis of 2 or more devices (the order it balances is the "
+     "sequence's over them), got --mesh fsdp=2"),
+    (LM_CONTEXT + ["--balance-context", "--mesh", "none"],
+     "--balance-context: expected --mesh with a context axis of 2 or more devices (the order it balances is the "
+     "sequence's over them), got --mesh none"),
+    (LM_CONTEXT + ["--balance-context", "--mesh", "fsdp=2,context=1"],
+     "--balance-context: expected --mesh with a context axis of 2 or more devices (the order it balances is the "
+     "sequence's over them), got --mesh fsdp=2,context=1"),
+    (["--max-length", "128", "--batch-size", "2", "--mesh", "context=2", "--balance-context"],
+     "--balance-context: expected a causal task (lm), got --task classification, whose attention is "
+     "bidirectional: every device has the same work without it"),
+    (LM_CONTEXT + ["--mesh", "context=2", "--balance-context", "--attn", "sdpa"],
+     "--balance-context: expected --attn torchattn, got --attn sdpa, which masks by the natural token order and "
+     "would be wrong on the reordered tokens"),
+    (LM_CONTEXT + ["--mesh", "context=2", "--balance-context", "--attn", "eager"],
+     "--balance-context: expected --attn torchattn, got --attn eager, which masks by the natural token order and "
+     "would be wrong on the reordered tokens"),
+    (["--recipe", "sotu-lm", "--max-length", "250", "--mesh", "context=2", "--balance-context"],
+     "--max-length: expected batch lengths that split evenly over the 2 context devices of --mesh context=2 x 2 "
+     "chunks each (--balance-context), multiples of 4; got 250, whose batches with --task lm are 250 tokens long"),
+    (["--recipe", "sotu-lm", "--max-length", "251", "--mesh", "context=2"],
+     "--max-length: expected batch lengths that split evenly over the 2 context devices of --mesh context=2, "
+     "multiples of 2; got 251, whose batches with --task lm are 251 tokens long"),
+    (["--max-length", "256", "--batch-size", "3", "--mesh", "context=3"],
+     "--max-length: expected batch lengths that split evenly over the 3 context devices of --mesh context=3, "
+     "multiples of 3; got 256, whose batches with --task classification are 64, 128, 256 tokens long"),
+])
+def test_a_context_axis_refuses_what_it_cannot_split_or_balance(argv, message):
+    with pytest.raises(ConfigError) as error:
+        parse_args(argv)
+    assert str(error.value) == message
+
+
+def test_the_row_length_of_a_balanced_run_is_a_multiple_of_twice_the_context():
+    assert parse_args(["--recipe", "sotu-lm", "--max-length", "252", "--mesh", "context=2"]).data.max_length == 252
+    assert parse_args(["--recipe", "sotu-lm", "--max-length", "252", "--mesh", "context=3", "--balance-context"]
+                      ).parallel.balance_context, "252 = 2 x 3 x 42"
+
+
+def test_a_balanced_run_resumed_on_one_device_feeds_the_natural_order(tmp_path):
+    saved = parse_args(LM_CONTEXT + ["--mesh", "fsdp=2,context=2", "--balance-context", "--output-dir",
+                                     str(tmp_path)])
+    save_config(saved, str(tmp_path / "config.json"))
+    assert parse_args(["--output-dir", str(tmp_path), "--resume"]).parallel.balance_context, "the same mesh: kept"
+    single = parse_args(["--output-dir", str(tmp_path), "--resume", "--mesh", "none"])
+    assert (single.parallel.mesh, single.parallel.balance_context) == (None, False)
+    changes = {"mesh": ("fsdp=2,context=2", None), "balance_context": (True, False)}
+    assert resume_changes(saved.to_flat(), single) == changes, "printed among the resume's changes"
+    assert parse_args(["--output-dir", str(tmp_path), "--resume", "--mesh", "context=4"]).parallel.balance_context
 
 
 def test_help_says_batch_size_is_global_under_a_mesh():

@@ -16,7 +16,7 @@ from train.config import parse_args
 from train.tasks import classification
 from train.trainer import Trainer
 
-DECLARATIONS = ("LABELED", "tokenize", "lengths", "label_names", "check_head", "MODEL_CLASS", "configure",
+DECLARATIONS = ("LABELED", "CAUSAL", "tokenize", "lengths", "label_names", "check_head", "MODEL_CLASS", "configure",
                 "synthetic_batch", "EVAL_BEFORE_TRAINING", "Evaluation", "summary", "result_rows", "HEADLINE",
                 "plot_eval")
 TRAIN = pathlib.Path(__file__).resolve().parent.parent / "train"

@@ -31,9 +31,11 @@ from . import tasks  # the names only: the task modules import torch, which pars
 ATTNS = ("torchattn", "sdpa", "eager")
 SCHEDULES = ("linear", "cosine")
 # --mesh axes, in the order the device mesh is laid out: the batch is split over data and fsdp,
-# the parameters over fsdp, attention heads over model.
-MESH_AXES = ("data", "fsdp", "model")
+# the parameters over fsdp, the sequence over context, attention heads over model. model is last (its
+# devices neighbours): its collectives come with every matmul, context's (K/V gathers) once per layer.
+MESH_AXES = ("data", "fsdp", "context", "model")
 BATCH_AXES = ("data", "fsdp")
+SEQUENCE_AXIS = "context"
 AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (parallel.default_mesh)
 MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
 
@@ -240,10 +242,13 @@ class Parallel(_Group):
     """The devices the run trains on."""
 
     mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
-                            "axes data, fsdp (batch and parameters) and model (attention heads), sizes "
-                            "multiplying to the device count; none: one device; auto: fsdp over every "
-                            "device when the process has several (one device if --batch-size is not a "
-                            "multiple of their count, or under accelerate launch --tpu)", default=AUTO_MESH)
+                            "axes data, fsdp (batch and parameters), context (the sequence) and model "
+                            "(attention heads), sizes multiplying to the device count; none: one device; auto: "
+                            "fsdp over every device when the process has several (one device if --batch-size "
+                            "is not a multiple of their count, or under accelerate launch --tpu)", default=AUTO_MESH)
+    balance_context: bool = _doc("with a context axis in --mesh and a causal task: feed the tokens in the "
+                                 "dual-chunk order (device i of n holds chunks i and 2n-1-i of 2n), so causal "
+                                 "attention gives every device the same work (torchattn only)", default=False)
 
     def __post_init__(self):
         if isinstance(self.mesh, str) and self.mesh.strip().lower() == "none":  # a config file's none, as the flag's
@@ -254,9 +259,18 @@ class Parallel(_Group):
         """A mesh given as axes, not decided by the devices (auto) nor one device (None)."""
         return self.mesh not in (None, AUTO_MESH)
 
+    @property
+    def context(self) -> int:
+        """The devices the sequence is split over: the mesh's context size (1 without one)."""
+        return mesh_axes(self.mesh).get(SEQUENCE_AXIS, 1) if self.explicit else 1
+
     def check(self) -> None:
         if self.explicit:
             mesh_axes(self.mesh)
+        if self.balance_context and self.context == 1:
+            raise ConfigError(f"--balance-context: expected --mesh with a {SEQUENCE_AXIS} axis of 2 or more devices "
+                              "(the order it balances is the sequence's over them), "
+                              f"got --mesh {self.mesh or 'none'}")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -285,6 +299,28 @@ class RunConfig:
             rows = batch_devices(mesh_axes(self.parallel.mesh))
             _check("batch_size", self.data.batch_size, self.data.batch_size % rows == 0,
                    f"a multiple of {rows} (the data x fsdp devices of --mesh {self.parallel.mesh})")
+        if self.parallel.context > 1:
+            self._check_context()
+
+    def _check_context(self) -> None:
+        """What a context axis asks of the task, the attention and the lengths. Imports the task module
+        (torch): only runs with a context axis."""
+        balanced = self.parallel.balance_context
+        if balanced and not tasks.get(self.run.task).CAUSAL:
+            causal = " or ".join(name for name in tasks.TASKS if tasks.get(name).CAUSAL)
+            raise ConfigError(f"--balance-context: expected a causal task ({causal}), got --task {self.run.task}, "
+                              "whose attention is bidirectional: every device has the same work without it")
+        if balanced and self.model.attn != "torchattn":
+            raise ConfigError(f"--balance-context: expected --attn torchattn, got --attn {self.model.attn}, which "
+                              "masks by the natural token order and would be wrong on the reordered tokens")
+        pieces = self.parallel.context * (2 if balanced else 1)
+        lengths = tasks.get(self.run.task).lengths(self.data.max_length)
+        if any(length % pieces for length in lengths):
+            how = f"{self.parallel.context} {SEQUENCE_AXIS} devices of --mesh {self.parallel.mesh}" + (
+                " x 2 chunks each (--balance-context)" * balanced)
+            raise ConfigError(f"--max-length: expected batch lengths that split evenly over the {how}, multiples of "
+                              f"{pieces}; got {self.data.max_length}, whose batches with --task {self.run.task} are "
+                              f"{', '.join(map(str, lengths))} tokens long")
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "RunConfig":
@@ -318,8 +354,8 @@ GROUPS: dict[str, type[_Group]] = {f.name: f.default_factory for f in dataclasse
 FLAGS = ("recipe", "model", "dataset", "text_column", "label_column", "task", "max_length", "attn", "backend",
          "batch_size", "grad_accum", "lr", "lr_schedule", "warmup", "weight_decay", "max_grad_norm", "epochs",
          "max_steps", "bf16", "dropout", "grad_checkpointing", "seed", "eval_fraction", "eval_batches", "output_dir",
-         "log_steps", "save_steps", "keep_checkpoints", "resume", "profile", "mesh", "compile_only",
-         "compile_lengths", "compile_attn", "compile_layers", "compile_report")
+         "log_steps", "save_steps", "keep_checkpoints", "resume", "profile", "mesh", "balance_context",
+         "compile_only", "compile_lengths", "compile_attn", "compile_layers", "compile_report")
 _BY_KEY = {_key(field): (group, field) for group, kind in GROUPS.items() for field in dataclasses.fields(kind)}
 FIELDS: dict[str, tuple[str, dataclasses.Field]] = {key: _BY_KEY[key] for key in FLAGS}  # key -> (group, field)
 
@@ -489,6 +525,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         if explicit.get("output_dir") is None:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
         base = saved_config(explicit["output_dir"])
+        if "mesh" in explicit and "balance_context" not in explicit:
+            # The dual-chunk order is a layout of the context axis: a resume onto a mesh without one (one
+            # device) feeds the natural order, which the resume prints among its changes.
+            base["balance_context"] = base.get("balance_context", False) and Parallel(
+                mesh=explicit["mesh"]).context > 1
     else:
         recipe = explicit.get("recipe", FIELDS["recipe"][1].default)
         _check_choice("recipe", recipe, tuple(RECIPES))

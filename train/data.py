@@ -27,7 +27,9 @@ import datasets
 import numpy as np
 import torch
 
-from . import tasks
+from torchattn import balanced_order
+
+from . import context_order, tasks
 from .config import first_line
 from .errors import DataError
 from .packing import IGNORE_INDEX
@@ -390,10 +392,15 @@ class BatchLoader:
     With ``hosts`` > 1 (a multi-host SPMD run) each batch is ``batch_size`` global rows, of which
     this ``host`` builds only its own (``host_rows``: B = batch_size / hosts), padded to the length
     bucket of the whole global batch so that every host's part has the same shape.
+
+    With ``balance`` (--balance-context: the context axis' device count) LM batches come in the
+    dual-chunk token order with their labels shifted first (train/context_order.py): input_ids,
+    position_ids, shift_labels, each (B, L).
     """
 
     def __init__(self, dataset: datasets.Dataset, *, batch_size: int, buckets: tuple[int, ...], pad_id: int,
-                 shuffle: bool, seed: int, drop_last: bool, host: int = 0, hosts: int = 1):
+                 shuffle: bool, seed: int, drop_last: bool, host: int = 0, hosts: int = 1,
+                 balance: int | None = None):
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size: expected an int >= 1, got {batch_size!r}")
         self._host_rows = host_rows(batch_size, host, hosts)  # of each global batch, the ones built here
@@ -424,6 +431,12 @@ class BatchLoader:
                                  f"{self.buckets[-1]}; tokenize with max_length <= {self.buckets[-1]}")
         if self._size == 0:
             raise ValueError("dataset: expected at least one row, got none")
+        self._order = None  # the token order of balanced LM batches (context_order), None: natural
+        if balance is not None:
+            if not self.lm:
+                raise ValueError(f"balance: expected None for classification rows (only LM rows are reordered), "
+                                 f"got {balance!r}")
+            self._order = balanced_order(self._rows["input_ids"].shape[1], balance)
 
     def __len__(self) -> int:
         """Batches per epoch."""
@@ -441,7 +454,12 @@ class BatchLoader:
                  else np.arange(self._size))
         for b in range(start, len(self)):
             rows = order[b * self.batch_size:(b + 1) * self.batch_size]  # the global batch
-            yield self._lm_batch(rows) if self.lm else self._classification_batch(rows)
+            if not self.lm:
+                yield self._classification_batch(rows)
+            elif self._order is None:
+                yield self._lm_batch(rows)
+            else:
+                yield context_order.balanced(self._lm_batch(rows), self._order)
 
     def _classification_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
         longest = max(len(self._input_ids[r]) for r in rows)  # over the global batch: one shape on every host

@@ -3,7 +3,7 @@ torch_xla SPMD (GSPMD).
 
     spmd = Spmd({"data": 2, "fsdp": 2})        # before anything touches the XLA device
     model = spmd.shard_model(model)             # on the device, parameters split over fsdp
-    for batch, inputs in spmd.device_batches(batches): ...   # inputs split over data x fsdp
+    for batch, inputs in spmd.device_batches(batches): ...   # inputs split over data x fsdp (x context)
 
 One process per host traces the whole step for the global batch; XLA's partitioner splits
 every tensor by its annotation and inserts the collectives (the gradient reduction among
@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from .config import AUTO_MESH, BATCH_AXES, ConfigError, batch_devices
+from .config import AUTO_MESH, BATCH_AXES, SEQUENCE_AXIS, ConfigError, batch_devices
 
 PARAMETER_AXIS = "fsdp"
 
@@ -83,10 +83,11 @@ def parameter_spec(shape: tuple[int, ...], fsdp: int) -> tuple[str | None, ...]:
 class Spmd:
     """The run's device mesh and how the trainer's tensors are laid out on it."""
 
-    def __init__(self, axes: dict[str, int]):
-        """``axes``: {axis: size} in config.MESH_AXES order (config.mesh_axes). Turns SPMD on:
-        call before anything touches the XLA device. Raises ConfigError (naming --mesh) when
-        the sizes do not multiply to the device count."""
+    def __init__(self, axes: dict[str, int], *, balanced: bool = False):
+        """``axes``: {axis: size} in config.MESH_AXES order (config.mesh_axes); ``balanced``: the batches'
+        tokens come in the dual-chunk order over the context axis (--balance-context,
+        train/context_order.py). Turns SPMD on: call before anything touches the XLA device. Raises
+        ConfigError (naming --mesh) when the sizes do not multiply to the device count."""
         import torch_xla
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
@@ -103,8 +104,10 @@ class Spmd:
         self.device = torch_xla.device()
         self.host, hosts = xr.process_index(), xr.process_count()
         self.batch_axes = tuple(axis for axis in BATCH_AXES if axis in axes)
+        self.sequence_axes = (SEQUENCE_AXIS,) if SEQUENCE_AXIS in axes else ()
+        self.balanced = balanced
         # torch_xla puts the hosts' parts of a batch together (minibatch) only when the batch is split
-        # over every device; with a model axis each host reads the whole global batch.
+        # over every device; with a model or context axis each host reads the whole global batch.
         self.minibatch = batch_devices(axes) == devices
         self.part = (self.host, hosts) if self.minibatch else (0, 1)  # (this host's part, parts) of a batch
         self.description = f"{text} ({devices} devices, {hosts} host{'s' * (hosts > 1)})"
@@ -143,8 +146,10 @@ class Spmd:
     def device_batches(self, batches: Iterable[dict[str, torch.Tensor]]
                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
         """(CPU batch, device batch) pairs: every tensor split on its first dimension over the batch
-        axes. Each host passes its part of the rows (``part``, data.host_rows); torch_xla's parallel
-        loader sends them to the host's devices in a background thread and assembles the global batch."""
+        axes, and on its second (the sequence of input_ids, attention_mask, position_ids and LM labels)
+        over context. Each host passes its part of the rows (``part``, data.host_rows); torch_xla's
+        parallel loader sends them to the host's devices in a background thread and assembles the global
+        batch."""
         import torch_xla.distributed.parallel_loader as pl
         import torch_xla.distributed.spmd as xs
 
@@ -152,7 +157,9 @@ class Spmd:
         first = next(batches, None)
         if first is None:
             return
-        specs = {name: (self.batch_axes or None,) + (None,) * (tensor.dim() - 1) for name, tensor in first.items()}
+        # (rows, sequence, ...): rows over the batch axes, the sequence over context; 1-D labels are rows only.
+        layout = (self.batch_axes or None, self.sequence_axes or None)
+        specs = {name: (layout + (None,) * tensor.dim())[:tensor.dim()] for name, tensor in first.items()}
         # torch_xla 2.9 cannot send a 1-D tensor with a partly replicated sharding (IndexError in
         # _xla_tensors_from_aten, pytorch/xla#8606): without minibatch (a model axis) such tensors
         # (classification labels) go over whole and are annotated on the device.
@@ -176,9 +183,10 @@ class Spmd:
     # Attention
 
     def attention(self) -> contextlib.AbstractContextManager:
-        """torchattn's kernels per device (torchattn.sharded): batch over the batch axes, heads over
-        model. Inside a model q is an intermediate tensor whose layout GSPMD decides only when it
-        compiles, so the run states it once."""
+        """torchattn's kernels per device (torchattn.sharded): batch over the batch axes, sequence over
+        context (in the dual-chunk order when balanced), heads over model. Inside a model q is an
+        intermediate tensor whose layout GSPMD decides only when it compiles, so the run states it once."""
         import torchattn
 
-        return torchattn.sharded(self.mesh, batch=self.batch_axes, heads="model" if "model" in self.axes else ())
+        return torchattn.sharded(self.mesh, batch=self.batch_axes, heads="model" if "model" in self.axes else (),
+                                 sequence=self.sequence_axes, balanced=self.balanced)

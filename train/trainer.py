@@ -103,6 +103,10 @@ def model_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
     parameters = inspect.signature(model.forward).parameters.values()
     if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in parameters):
         inputs = {**inputs, "use_cache": False}
+    if "shift_labels" in inputs:
+        # Labels shifted before a reorder (train/context_order.py): transformers computes a loss only when
+        # labels are given, and its causal-LM loss then scores shift_labels as they are, without shifting.
+        inputs = {**inputs, "labels": inputs["shift_labels"]}
     return model(**inputs)
 
 
@@ -189,7 +193,7 @@ class Trainer:
             self.rank, self.world, self.is_main = 0, 1, True
         else:
             # SPMD: one process per host drives all devices, GSPMD reduces the gradients (train/parallel.py).
-            self.spmd = Spmd(mesh_axes(mesh))  # before anything touches the device
+            self.spmd = Spmd(mesh_axes(mesh), balanced=config.parallel.balance_context)  # before the device is used
             self.device = self.spmd.device
             self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
             self.is_main = self.spmd.host == 0
@@ -222,7 +226,8 @@ class Trainer:
         host, hosts = self.spmd.part if self.spmd else (0, 1)
         # The task's batch lengths: packed rows of exactly max_length, or documents padded to a bucket.
         loader = dict(batch_size=config.data.batch_size, buckets=task.lengths(config.data.max_length),
-                      pad_id=self.tokenizer.pad_token_id, seed=config.run.seed, host=host, hosts=hosts)
+                      pad_id=self.tokenizer.pad_token_id, seed=config.run.seed, host=host, hosts=hosts,
+                      balance=config.parallel.context if config.parallel.balance_context else None)
         self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
         # --eval-batches: a fixed sample of that many batches' rows, stratified by label (data.eval_subset).
         evaluated = None if config.data.eval_batches is None else config.data.eval_batches * config.data.batch_size

@@ -7,6 +7,7 @@ A task module declares everything the rest of the trainer asks of a task, and no
 branches on the task's name:
 
     LABELED: bool                                   reads --label-column; the held-out split is stratified by it
+    CAUSAL: bool                                    its attention is causal (--balance-context applies)
     tokenize(splits, tokenizer, max_length)         the tokenized splits the batches are cut from
     lengths(max_length) -> tuple[int, ...]          the padded lengths a batch may take
     label_names(splits) -> list[str] | None         the labels the model's head predicts

@@ -12,6 +12,9 @@ from ..errors import ModelError, check_max_length
 from ..packing import IGNORE_INDEX
 
 LABELED = True
+# Not for --balance-context: an encoder attends both ways (every device has the same work), and a decoder's
+# classifier reads the last real token by its place in the row, which a reorder moves.
+CAUSAL = False
 MODEL_CLASS = transformers.AutoModelForSequenceClassification
 EVAL_BEFORE_TRAINING = False
 

@@ -13,6 +13,7 @@ from ..errors import DataError, ModelError, check_max_length
 from ..packing import IGNORE_INDEX, pack_documents
 
 LABELED = False
+CAUSAL = True  # --balance-context may reorder its tokens (train/context_order.py)
 MODEL_CLASS = transformers.AutoModelForCausalLM
 EVAL_BEFORE_TRAINING = True  # perplexity before training, to compare with after
 
@@ -83,8 +84,10 @@ class Evaluation:
         self._tokens: list[torch.Tensor] = []
 
     def add(self, outputs, inputs: dict[str, torch.Tensor]) -> None:
-        # HF's causal LM loss: mean over the tokens whose shifted label is not -100.
-        counted = (inputs["labels"][:, 1:] != IGNORE_INDEX).sum()
+        # HF's causal LM loss: mean over the tokens whose shifted label is not -100 (shifted already in a
+        # batch reordered by --balance-context: train/context_order.py).
+        shifted = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
+        counted = (shifted != IGNORE_INDEX).sum()
         self._losses.append(outputs.loss * counted)
         self._tokens.append(counted)
 

@@ -113,7 +113,7 @@ def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
 def _balanced_order(length: int) -> torch.Tensor | None:
     """The natural index of each token (torchattn.balanced_order, on the CPU) inside a
     ``torchattn.sharded(..., balanced=True)`` context, whose tokens are in the dual-chunk order; else None."""
-    sharding = spmd._contexts[-1] if spmd._contexts else None
+    sharding = spmd.innermost()
     if sharding is None or not sharding.balanced:
         return None
     return context.balanced_order(length, sharding.ways(sharding.sequence))

@@ -133,6 +133,11 @@ def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, 
         _contexts.pop()
 
 
+def innermost() -> Sharding | None:
+    """The innermost active :func:`sharded` context's Sharding, or None outside any."""
+    return _contexts[-1] if _contexts else None
+
+
 def _axis_names(name: str, value) -> tuple[str, ...]:
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, tuple) or not all(isinstance(axis, str) for axis in names):

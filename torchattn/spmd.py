@@ -350,6 +350,10 @@ def _local(sharding: Sharding, field, t: torch.Tensor) -> torch.Tensor:
         cut = tuple(() if summed and dim in summed else axes for dim, axes in enumerate(cut))
     # Key rows are whole on every sequence shard: their gradients are partial sums, added up over the shards.
     gathered = (seq, len(lead)) if seq and field.role == KV_ROWS else None
+    if gathered:
+        # A new tensor to annotate whole: a k marked along the sequence keeps its own annotation (XLA refuses a
+        # second one on a tensor, and a clone shares it).
+        t = t * 1
     spec = sharding.spec(*cut, *(None,) * (t.dim() - len(cut)))
     local = _ToLocal.apply(t, sharding.mesh, spec, summed, gathered)
     key_dim = len(lead) if field.role == KV_ROWS else 3 if field.role == PAIRS else None
@@ -391,7 +395,7 @@ class _ToLocal(torch.autograd.Function):
         if ctx.gathered:
             grad = grad.sum(dim=0)
             xs.mark_sharding(grad, ctx.mesh, tuple(_spec_axes(axes) if dim == rows else dim_axes
-                                                   for dim, dim_axes in enumerate(ctx.spec)))
+                                                   for dim, dim_axes in enumerate(ctx.spec)))  # reduce-scatter
         if ctx.summed:
             grad = grad.sum(dim=tuple(ctx.summed), keepdim=True)
         return grad, None, None, None, None

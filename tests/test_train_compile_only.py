@@ -205,25 +205,31 @@ def _rows(report) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_mesh_over_v5e_2x2_compiles_the_partitioned_step_with_less_hbm_per_chip(llama, tmp_path):
-    # The same run (batch 4, 512 tokens) on one v5e chip and as the SPMD step over fsdp=4 on v5e:2x2,
-    # which this process (one XLA:CPU device) traces in a child process with 4 virtual devices.
+def test_meshes_over_v5e_2x2_compile_the_partitioned_step_with_less_hbm_per_chip(llama, tmp_path):
+    # The same run (batch 4, 512 tokens) on one v5e chip and as the SPMD step over fsdp=4 and over context=4 on
+    # v5e:2x2, which this process (one XLA:CPU device) traces in a child process with 4 virtual devices.
     same = ["--compile-lengths", "512", "--compile-attn", "torchattn", "--batch-size", "4"]
-    one, four = tmp_path / "one.csv", tmp_path / "four.csv"
-    assert main(_flags(llama, one, "--compile-only", "v5e", *same, "--output-dir", str(tmp_path / "a"))) == 0
-    assert main(_flags(llama, four, "--compile-only", "v5e:2x2", "--mesh", "fsdp=4", *same,
-                       "--output-dir", str(tmp_path / "b"))) == 0
-    [chip], [sharded] = _rows(one), _rows(four)
+    reports = {mesh: tmp_path / f"{mesh or 'one'}.csv" for mesh in (None, "fsdp=4", "context=4")}
+    for mesh, report in reports.items():
+        target = ["--compile-only", "v5e"] if mesh is None else ["--compile-only", "v5e:2x2", "--mesh", mesh]
+        assert main(_flags(llama, report, *target, *same, "--output-dir", str(tmp_path / report.stem))) == 0
+    [chip], [fsdp], [context] = (_rows(report) for report in reports.values())
     assert (chip["topology"], chip["mesh"]) == ("v5e", "none")
-    assert (sharded["topology"], sharded["mesh"]) == ("v5e:2x2", "fsdp=4")
-    assert chip["fits"] == sharded["fits"] == "True", sharded["error"]
-    # torchattn's kernels stayed in the partitioned step (run per device), not replaced by a fallback.
-    assert int(sharded["tpu_custom_calls"]) == int(chip["tpu_custom_calls"]) >= 4
-    # Each chip holds a quarter of the parameters, gradients and AdamW moments (plus tile padding) and a
+    assert (fsdp["topology"], fsdp["mesh"], context["mesh"]) == ("v5e:2x2", "fsdp=4", "context=4")
+    assert chip["fits"] == fsdp["fits"] == context["fits"] == "True", fsdp["error"] + context["error"]
+    # torchattn's kernels stayed in the partitioned step (run per device), not replaced by a fallback; a
+    # sequence shard's backward is the split one (dq and dk/dv), one call more per layer.
+    assert int(fsdp["tpu_custom_calls"]) == int(chip["tpu_custom_calls"]) >= 4
+    assert int(context["tpu_custom_calls"]) > int(chip["tpu_custom_calls"])
+    # fsdp: each chip holds a quarter of the parameters, gradients and AdamW moments (plus tile padding) and a
     # quarter of the batch's activations: less than one chip holding all of it.
-    assert int(sharded["argument_bytes"]) < int(chip["argument_bytes"]) / 2
-    assert int(sharded["temp_bytes"]) < int(chip["temp_bytes"])
-    assert int(sharded["total_bytes"]) < int(chip["total_bytes"])
+    assert int(fsdp["argument_bytes"]) < int(chip["argument_bytes"]) / 2
+    assert int(fsdp["temp_bytes"]) < int(chip["temp_bytes"])
+    assert int(fsdp["total_bytes"]) < int(chip["total_bytes"])
+    # context: the parameters whole on every chip, a quarter of each row's tokens and their activations.
+    assert int(context["argument_bytes"]) <= int(chip["argument_bytes"])
+    assert int(context["temp_bytes"]) < int(chip["temp_bytes"])
+    assert int(context["total_bytes"]) < int(chip["total_bytes"])
 
 
 @pytest.mark.parametrize("topology, mesh, chips", [("v5e:2x2", "fsdp=2", "4 chips"), ("v5e", "data=2", "1 chip")])

@@ -31,15 +31,12 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
+import transformers as T
 
-xr.use_spmd()  # before any XLA tensor exists
-
-import transformers as T  # noqa: E402
-
-import patches  # noqa: E402  (registers "torchattn")
-import torchattn  # noqa: E402
-import torchattn.autograd  # noqa: E402
-from torchattn import once  # noqa: E402
+import patches  # registers "torchattn"
+import torchattn
+import torchattn.autograd
+from torchattn import once
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_models  # noqa: E402
@@ -98,9 +95,9 @@ def kernel_q_shapes() -> list:
     shapes = []
     original = torchattn.autograd.apply
 
-    def spy(impl, options, tensors):
+    def spy(impl, tensors, options):
         shapes.append(list(tensors.q.shape))
-        return original(impl, options, tensors)
+        return original(impl, tensors, options)
 
     torchattn.autograd.apply = spy
     return shapes
@@ -191,4 +188,7 @@ def main(dump: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    # SPMD is process-wide and must be on before any XLA tensor exists: here, not at import (the test
+    # imports this module for its names).
+    xr.use_spmd()
     main(sys.argv[1], sys.argv[2])

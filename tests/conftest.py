@@ -43,6 +43,24 @@ def _xla_runtime_first():
     torch_xla.device()
 
 
+def _spmd_on() -> bool:
+    runtime = sys.modules.get("torch_xla.runtime")
+    return runtime is not None and runtime.is_spmd()
+
+
+@pytest.fixture(autouse=True)
+def _spmd_stays_off(request):
+    """SPMD is process-wide and cannot be turned off again: a test that needs it runs it in a process of
+    its own (tests/spmd_*.py, tests/fsdpv2_probe.py). On in this process, every later XLA test breaks
+    ("Unknown device SPMD:0"), far from the cause; this names it."""
+    if _spmd_on():
+        pytest.fail("SPMD is on in the test process before this test: a test module turned it on when "
+                    "imported (torch_xla.runtime.use_spmd() at module level) or an earlier test did")
+    yield
+    if _spmd_on():
+        pytest.fail(f"{request.node.nodeid} turned SPMD on in the test process: run it in its own process")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_tuned_block_sizes(tmp_path_factory):
     """flash_attention would use block sizes a developer tuned (~/.cache/torchattn): never in tests."""

@@ -161,8 +161,8 @@ def resolve(request: Request) -> Sharding | str | None:
     if not xla_spmd(request):
         return None
     own = _from_input(request.q)
-    if own is None and _contexts:
-        own = _contexts[-1]
+    if own is None:
+        own = innermost()
     if own is None:
         own = _from_global_mesh(request)
     if isinstance(own, Sharding):
@@ -221,7 +221,8 @@ def _from_input(q: torch.Tensor):
     devices = tuple(int(n) for n in match.group(2).split(","))
     if match.group(3) is None:
         tiles += (1,)
-    known = _contexts[-1].mesh if _contexts else xs.get_global_mesh()
+    active = innermost()
+    known = active.mesh if active else xs.get_global_mesh()
     spec = _matching_spec(known, tiles, devices) if known is not None else None
     if spec is None:  # a mesh of q's own tiling, one axis per dim, named after the dims
         known = xs.Mesh(list(devices), tiles, (*_DIM_NAMES, "replicas"))
@@ -231,7 +232,7 @@ def _from_input(q: torch.Tensor):
                          "attention over batch (dim 0), heads (dim 1) and the sequence (dim 2) only: keep "
                          "head_dim whole on each device (None in its partition spec)")
     # The dual-chunk order is data, not a layout: only a torchattn.sharded context can declare it.
-    balanced = bool(spec[2]) and bool(_contexts) and _contexts[-1].balanced and _contexts[-1].sequence == spec[2]
+    balanced = bool(spec[2]) and active is not None and active.balanced and active.sequence == spec[2]
     return Sharding(known, spec[0], spec[1], spec[2], balanced)
 
 

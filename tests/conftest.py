@@ -9,16 +9,40 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 # compiles many graphs otherwise exhausts vm.max_map_count ("LLVM compilation
 # error: Cannot allocate memory", then wrong results or a segfault).
 os.environ.setdefault("XLA_COMPILATION_CACHE_SIZE", "8")
+# XLA:CPU compiles with LLVM's optimizations off: the suite compiles about a thousand small graphs and runs
+# each a few times, so compiling was most of its time (families and xla backend tests: 202 s -> 141 s, the
+# same errors against float64). What is tested is the HLO torchattn builds and its numbers, not XLA:CPU's
+# machine code; libtpu's TPU compiles are unchanged by it (the same VLIW schedule, checked).
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_backend_optimization_level=0".strip()
 # The processes tests start (tests/spmd_*.py, python -c) import this checkout's packages, not the checkout an
 # editable install last pointed at.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
+# Two pytest-xdist workers (scripts/test.sh), and the processes tests start, each load libtpu for compile-only
+# TPU programs; without this libtpu refuses all but the first ("libtpu multi-process lockfile").
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
 import pytest  # noqa: E402
+
+import suite_report  # noqa: E402
+
+
+def pytest_addoption(parser):
+    suite_report.add_options(parser)
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(suite_report.SuiteReport(config), "suite_report")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Skip ``@pytest.mark.tpu`` tests unless PJRT_DEVICE=TPU (decided without touching a device)."""
+    """The modules setup.cfg's ``first_modules`` lists run first, in its order (under pytest-xdist each
+    module runs on one worker: the longest started first, the workers finish together); skip
+    ``@pytest.mark.tpu`` tests unless PJRT_DEVICE=TPU (decided without touching a device)."""
+    rank = {name: i for i, name in enumerate(config.getini("first_modules"))}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
     if os.environ["PJRT_DEVICE"].upper() == "TPU":
         return
     skip = pytest.mark.skip(reason=f"needs a real TPU (PJRT_DEVICE={os.environ['PJRT_DEVICE']}, not TPU)")
@@ -111,34 +135,3 @@ def fake_tpu(monkeypatch):
     monkeypatch.setattr(once, "_shown", set())
     with devices.seen_as_tpu("v5e"):
         yield
-
-
-def pytest_terminal_summary(terminalreporter):
-    """Largest errors against the float64 reference seen in this run, per backend and dtype;
-    largest differences of patched Hugging Face models from eager, per family."""
-    _family_summary(terminalreporter)
-    from numerics import MAX_ERRORS
-
-    if not MAX_ERRORS:
-        return
-    terminalreporter.section("max error vs float64 reference")
-    for backend, by_dtype in sorted(MAX_ERRORS.items()):
-        for dtype, errors in sorted(by_dtype.items()):
-            row = "  ".join(f"{name} {err:.2e}" for name, err in errors.items())
-            terminalreporter.write_line(f"{backend:<10} {dtype:<35} {row}")
-
-
-def _family_summary(terminalreporter):
-    hf_models = sys.modules.get("hf_models")  # only if a family test ran
-    if hf_models is None or not hf_models.MAX_DIFFS:
-        return
-    terminalreporter.section("max |patched - eager| per family (tests/test_patches_families.py)")
-    terminalreporter.write_line("out: last hidden state at real tokens; grad: every parameter gradient (rel: over the "
-                                "largest |grad|); packed(_pos): packed row vs documents alone, from cu_seq_lens "
-                                "(position_ids)")
-    names = ("out", "grad", "grad_rel", "packed", "packed_pos")
-    terminalreporter.write_line(f"{'family':<12} {'backend':<10} " + " ".join(f"{n:>9}" for n in names))
-    for family, by_backend in hf_models.MAX_DIFFS.items():
-        for backend, diffs in sorted(by_backend.items()):
-            cells = " ".join(f"{diffs[n]:9.1e}" if n in diffs else f"{'-':>9}" for n in names)
-            terminalreporter.write_line(f"{family:<12} {backend:<10} {cells}")

@@ -34,6 +34,9 @@ def balanced_order(length: int, shards: int) -> torch.Tensor:
     ``x.index_select(dim, balanced_order(n, shards))`` puts a sequence dim into the order
     ``sharded(..., balanced=True)`` expects; ``torch.argsort`` of it gives the way back.
     """
+    for name, value in (("length", length), ("shards", shards)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: expected a positive int, got {value!r}")
     check_length("length", length, shards, balanced=True)
     chunk = length // (2 * shards)
     order = [c for shard in range(shards) for c in chunks_of(shard, shards)]

@@ -6,6 +6,7 @@ non-finite loss stops the run before it is written anywhere."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,6 +67,11 @@ def test_resume_falls_back_past_damaged_checkpoints_to_the_newest_intact(three_c
     for path in (step1, step2, step3):
         checkpoint.verify(path)
     assert torch.load(step3, weights_only=False)["position"]["step"] == 3
+    aside = sorted(name for name in os.listdir(os.path.dirname(step1)) if ".damaged-" in name)
+    assert [name.split(".damaged-")[0] for name in aside] == [os.path.basename(step2), os.path.basename(step3)]
+    # A second resume finds step 3 written again, intact, and nothing left to do.
+    assert main(["--output-dir", out, "--resume"]) == 0
+    assert "the run is already complete: step 3 of 3" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "empty", "not a checkpoint"])
@@ -146,6 +152,42 @@ def test_a_sharded_checkpoint_with_a_changed_shard_is_damaged(tmp_path, device):
     os.remove(os.path.join(saver.path(1), sharded_checkpoint.DIGESTS))
     with pytest.raises(checkpoint.Damaged, match="no intact checkpoint.*no readable SHA256SUMS"):
         saver.load_newest(template)
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_a_skipped_damaged_checkpoint_is_moved_aside_and_its_step_written_again(tmp_path, device, sharded):
+    """Damage, resume (from step 1), the same step written again, a second resume: the damaged checkpoint is
+    kept under another name, never in the way of the new one, and what a crashed save of it left is gone."""
+    saver = checkpoint.Checkpointer(str(tmp_path), every=1, keep=3, sharded=sharded)
+
+    def state(step):
+        return {"weights": torch.full((256,), float(step), device=device), "position": {"step": step}}
+
+    def template():
+        return {"weights": torch.zeros(256, device=device), "position": None}
+
+    for step in (1, 2):
+        saver.save(state(step), step)
+    second = saver.path(2)
+    flip_middle_byte(second if not sharded else
+                     os.path.join(second, next(name for name in os.listdir(second) if name.endswith(".distcp"))))
+    stale = f"{second}.tmp" if sharded else f"{second}.tmp-99999"  # a crashed save's folder, or durable's file
+    os.makedirs(stale) if sharded else open(stale, "w").close()
+
+    path, loaded, damaged = saver.load_newest(template)
+    assert path == saver.path(1) and loaded["position"] == {"step": 1}
+    names = sorted(os.listdir(saver.directory))
+    assert names[0] == os.path.basename(saver.path(1)) and len(names) == 2, names
+    assert re.fullmatch(re.escape(os.path.basename(second)) + r"\.damaged-\d{8}T\d{6}", names[1]), names
+    assert len(damaged) == 1 and damaged[0].startswith(f"{second}: damaged") and \
+        damaged[0].endswith(f"moved aside to {os.path.join(saver.directory, names[1])}"), damaged
+
+    saver.save(state(2), 2)
+    path, loaded, damaged = saver.load_newest(template)
+    assert (path, loaded["position"], damaged) == (second, {"step": 2}, [])
+    assert torch.equal(loaded["weights"].cpu(), torch.full((256,), 2.0))
+    assert sorted(os.listdir(saver.directory)) == sorted([os.path.basename(saver.path(1)), os.path.basename(second),
+                                                          names[1]]), "the damaged one is kept, nothing else added"
 
 
 def test_a_failed_sharded_write_raises_the_os_error(tmp_path, device, monkeypatch):

@@ -26,12 +26,13 @@ import os
 import random
 import re
 import shutil
+import time
 import types
 
 import numpy as np
 import torch
 
-from . import file_checkpoint, sharded_checkpoint
+from . import durable, file_checkpoint, sharded_checkpoint
 
 DIRECTORY = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
@@ -128,16 +129,28 @@ class Checkpointer:
     def load_newest(self, template=None, required: tuple[str, ...] = ()) -> tuple[str, dict, list[str]]:
         """(path, state, damaged) of the newest checkpoint that verifies and holds the keys ``required``;
         ``damaged``: one line for each newer one skipped. Raises Damaged, naming every checkpoint and
-        what is wrong with it, when none is intact. ``template``: as for load()."""
+        what is wrong with it, when none is intact. ``template``: as for load().
+
+        The run goes on from the loaded step and will write the skipped steps again, so the writer moves
+        each skipped checkpoint aside (``<name>.damaged-<time>``, never deleted: it may be worth a look)
+        and removes what crashed saves of later steps left (``.tmp``), which the new saves would meet."""
         damaged = []
         names = self._checkpoints()
         for step in sorted(names, reverse=True):
             path = os.path.join(self.directory, names[step])
             try:
-                return path, self.load(path, template, required), damaged
+                state = self.load(path, template, required)
             except Damaged as error:
-                damaged.append(str(error))
-        raise Damaged(f"no intact checkpoint in {self.directory}: " + ("; ".join(damaged) or "none written"))
+                damaged.append((path, str(error)))
+                continue
+            if self.writer:
+                damaged = [(path, f"{problem}; moved aside to {_set_aside(path)}") for path, problem in damaged]
+                for later, name in self._entries(_TEMPORARY):
+                    if later > step:
+                        _remove(os.path.join(self.directory, name))
+            return path, state, [problem for _, problem in damaged]
+        raise Damaged(f"no intact checkpoint in {self.directory}: "
+                      + ("; ".join(problem for _, problem in damaged) or "none written"))
 
     def _remove_old(self, step: int) -> None:
         """Removes all but the newest ``keep`` checkpoints, never ``step``'s (just verified; a resumed run
@@ -186,6 +199,13 @@ def verify(path: str) -> None:
     problem = format_of(path).verify(path)
     if problem:
         raise Damaged(f"{path}: {problem}")
+
+
+def _set_aside(path: str) -> str:
+    """Renames the checkpoint at ``path`` to a name no checkpoint pattern matches; returns that name."""
+    aside = f"{path}.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+    durable.replace(path, aside)
+    return aside
 
 
 def _remove(path: str) -> None:

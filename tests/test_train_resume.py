@@ -52,6 +52,15 @@ def test_resumed_run_logs_the_same_losses(bert, docs_csv, tmp_path, capsys):
     assert not differing, f"step: (resumed, uninterrupted) loss {differing}"
     assert len({round(v, 6) for v in expected.values()}) > 5, "losses should differ from step to step"
 
+    # Once more, with nothing left to do: nothing is trained, evaluated or appended, and it says so.
+    with open(os.path.join(parts, "metrics.jsonl")) as f:
+        finished = f.read()
+    capsys.readouterr()
+    assert main(["--output-dir", parts, "--resume"]) == 0
+    with open(os.path.join(parts, "metrics.jsonl")) as f:
+        assert f.read() == finished, "a resume of a finished run appended records"
+    assert "the run is already complete: step 10 of 10, evaluated; nothing to train or log" in capsys.readouterr().out
+
 
 def test_sigterm_finishes_the_step_and_writes_a_loadable_checkpoint(bert, docs_csv, tmp_path):
     out = str(tmp_path / "run")

@@ -284,7 +284,10 @@ class Trainer:
         self.memory = MemoryWatch(self.device)
         self.display = metrics.Progress(self.total_steps, quiet=not self.is_main)
         self._step_times: list[tuple[float, int]] = []  # (seconds, tokens) of steps after warm-up
-        self._final_eval: dict | None = None
+        # The evaluation at the step the run stands at, if one is logged: a resume of a finished run repeats none.
+        self._final_eval: dict | None = None if self._resume_path is None else next(
+            (record for record in reversed(self.metrics.read()) if record.get("eval")
+             and record["step"] == self.position.step), None)
         self._profile_end: int | None = None  # last step of the --profile trace; -1 once written
         # Entered once for the whole run (torchattn's kernels per device under --mesh); close() leaves it.
         self._contexts = contextlib.ExitStack()
@@ -374,11 +377,15 @@ class Trainer:
             log.warning("warning: training outside the main thread (accelerate launch --tpu): SIGTERM and Ctrl-C "
                         "stop the run without a checkpoint of the step in flight; --save-steps checkpoints remain")
         try:
-            if self._resume_path is not None:
+            if self._resume_path is not None and self.position.step >= self.total_steps and self._final_eval:
+                self.display.line(f"the run is already complete: step {self.position.step} of {self.total_steps}, "
+                                  f"evaluated; nothing to train or log")
+            elif self._resume_path is not None:
                 self.display.line(f"resuming from {self._resume_path} at step {self.position.step}")
                 for name, (before, after) in self._resume_changes.items():
-                    self.display.line(f"  --{name.replace('_', '-')}: {before!r} -> {after!r} from step "
-                                      f"{self.position.step + 1} on")
+                    before, after = ("none" if value is None else repr(value) for value in (before, after))
+                    self.display.line(f"  --{name.replace('_', '-')}: {before} -> {after} from step "
+                                      f"{self.position.step + 1} on")  # None as the flags spell it
             elif self.task.EVAL_BEFORE_TRAINING:
                 self._evaluate()
             self.model.train()

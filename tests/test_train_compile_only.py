@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from train import compile_only  # noqa: E402
 from train.config import ConfigError  # noqa: E402
 from train.__main__ import main  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 1 << 30
 # 4 heads x 2048 x 2048 float32 scores (64 MiB) per layer dwarf the tiny Llama's other activations (hidden
 # size 32), and exceed what the compiler keeps in VMEM instead of HBM: eager's temporaries must exceed
@@ -78,7 +83,8 @@ def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(long_llama, t
     assert (executed[0] if executed else 0) - before <= 2
 
 
-@pytest.mark.parametrize("topology, named", [("v9z", "v9z"), ("v5e:3x7", "v5e:3x7")])
+@pytest.mark.parametrize("topology, named", [("v9z", "v9z"), ("v5e:3x7", "v5e:3x7"), ("v5e:", "'v5e:'"),
+                                             ("v5e:2", "'v5e:2'")])
 def test_bad_topology_is_one_line_naming_the_flag(llama, tmp_path, capsys, topology, named):
     status = main(_flags(llama, tmp_path / "hbm.csv", "--compile-only", topology))
     error = capsys.readouterr().err
@@ -86,6 +92,34 @@ def test_bad_topology_is_one_line_naming_the_flag(llama, tmp_path, capsys, topol
     assert error.startswith("python -m train: error: --compile-only:") and named in error
     assert error.count("\n") == 1
     assert not (tmp_path / "hbm.csv").exists()
+
+
+@pytest.mark.parametrize("more, message", [
+    (["--mesh", "context=4", "--compile-lengths", "256,250"],
+     "--compile-lengths: expected lengths that split evenly over the 4 context devices of --mesh context=4, multiples "
+     "of 4; got 256,250, of which 250 do not"),
+    (["--mesh", "context=4", "--balance-context", "--compile-lengths", "260"],
+     "--compile-lengths: expected lengths that split evenly over the 4 context devices of --mesh context=4 x 2 chunks "
+     "each (--balance-context), multiples of 8; got 260, of which 260 do not"),
+], ids=["context", "balanced"])
+def test_lengths_training_refuses_are_refused_before_anything_compiles(llama, tmp_path, capsys, more, message):
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", "v5e:2x2", "--batch-size", "4", *more,
+                         "--output-dir", str(tmp_path / "run")))
+    captured = capsys.readouterr()
+    assert (status, captured.err, captured.out) == (2, f"python -m train: error: {message}\n", "")
+    assert not report.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("layers", ["1,3", "4,2", "2,1"])
+def test_layer_cuts_as_deep_as_the_model_are_refused(llama, tmp_path, capsys, layers):
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-layers", layers))
+    captured = capsys.readouterr()
+    assert status == 2 and captured.out == ""
+    assert captured.err == (f"python -m train: error: --compile-layers: expected two layer counts below the 2 layers "
+                            f"of --model {llama!r} (cuts to extrapolate from), got {layers}\n")
+    assert not report.exists()
 
 
 def _summing(gib: float) -> str:
@@ -146,7 +180,10 @@ def test_after_a_refusal_longer_lengths_are_skipped_and_a_trace_error_is_a_row(l
     assert rows[:3] == [("torchattn", "64", "True", ""), ("torchattn", "256", "False", ""),
                         ("torchattn", "512", "False", "not compiled: 256 does not fit")]
     assert [error.startswith("step does not trace: Expected query") for *_, error in rows[3:]] == [True] * 3
-    assert "torchattn  64" in capsys.readouterr().out
+    printed = capsys.readouterr().out.splitlines()
+    assert "  torchattn  64" in printed, "the largest length that fits"
+    rows_printed = [line for line in printed if line.startswith(("torchattn ", "sdpa "))]
+    assert len(rows_printed) == len(rows) == 6, "each row once, as it is compiled"
 
 
 def test_compile_lengths_beyond_the_position_limit_are_refused_up_front(llama, tmp_path, capsys):
@@ -242,3 +279,42 @@ def test_mesh_whose_product_is_not_the_chips_is_one_line_naming_both_flags(llama
     assert error == (f"python -m train: error: --mesh: expected axis sizes whose product is the {chips} of "
                      f"--compile-only {topology}, got '{mesh}'\n")
     assert not report.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["TERM", "INT", "KILL"])
+def test_a_signal_to_the_parent_alone_reaches_the_child_that_runs_the_mesh_sweep(llama, tmp_path, signum):
+    """--compile-only with --mesh runs in a child with virtual devices: a signal sent to the parent alone (a
+    job scheduler's, not the terminal's to the whole group) stops the child too, with one line and 128 + the
+    signal; killed outright, the parent takes the child with it. The CSV is never left half written."""
+    import psutil
+
+    report = tmp_path / "hbm.csv"
+    flags = _flags(llama, report, "--compile-only", "v5e:2x2", "--mesh", "fsdp=4", "--batch-size", "4",
+                   "--compile-lengths", "128,256,512", "--compile-attn", "eager,torchattn",
+                   "--output-dir", str(tmp_path / "run"))
+    env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
+    parent = subprocess.Popen([sys.executable, "-m", "train", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        for line in parent.stdout:  # the child's first line: it runs the sweep now
+            if line.startswith("compile-only:"):
+                break
+        (child,) = psutil.Process(parent.pid).children()
+        parent.send_signal(signum)
+        _, err = parent.communicate(timeout=300)
+    finally:
+        parent.kill()
+    gone, alive = psutil.wait_procs([child], timeout=30)
+    assert not alive, "the child outlived its parent"
+    if signum == signal.SIGKILL:
+        assert parent.returncode == -signal.SIGKILL
+    else:
+        assert parent.returncode == 128 + signum, err[-3000:]
+        said = [line for line in err.splitlines() if line.startswith("python -m train:")]
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        assert said == [f"python -m train: interrupted ({name}): --compile-only stopped; the CSV holds the rows "
+                        "compiled before it"], err[-3000:]
+        assert "Traceback" not in err
+    if report.exists():  # rows compiled before the signal, each whole
+        assert all(row["fits"] in ("True", "False") for row in _rows(report))

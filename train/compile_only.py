@@ -117,10 +117,11 @@ def resolve_target(name: str, mesh: str | None = None) -> Target:
     if importlib.util.find_spec("libtpu") is None:
         raise ConfigError("--compile-only: needs libtpu (the TPU compiler), which is not installed; "
                           "`pip install -e .[dev]` (or the tpu extra) installs libtpu==0.0.21")
-    generation, _, shape = name.partition(":")
-    if generation not in generations.GENERATIONS:
+    generation, colon, shape = name.partition(":")
+    if generation not in generations.GENERATIONS or colon and not re.fullmatch(r"\d+(x\d+)+", shape):
         raise ConfigError(f"--compile-only: expected a TPU topology such as v5e, v6e, v5e:2x2 or v4:2x2x1 "
-                          f"(generations {', '.join(generations.GENERATIONS)}), got {name!r}")
+                          f"(generations {', '.join(generations.GENERATIONS)}; after a colon, chips per "
+                          f"dimension), got {name!r}")
     chips = 1
     if shape:
         from torchattn.aot import compiler
@@ -154,6 +155,19 @@ def lengths(config: RunConfig, position_limit: int | None) -> list[int]:
         raise ConfigError(f"{flag}: expected lengths up to {position_limit}, the position limit of --model "
                           f"{config.model.name!r}, got {given}")
     return found
+
+
+def check_split(config: RunConfig) -> None:
+    """ConfigError unless every --compile-lengths splits evenly over a context axis, as training refuses a
+    --max-length that does not (config.RunConfig._check_context; --max-length itself is checked there)."""
+    if config.parallel.context == 1 or config.compile_only.lengths is None:
+        return
+    pieces, how = config.context_split()
+    uneven = [n for n in positive_ints("compile_lengths", config.compile_only.lengths) if n % pieces]
+    if uneven:
+        raise ConfigError(f"--compile-lengths: expected lengths that split evenly over the {how}, multiples of "
+                          f"{pieces}; got {config.compile_only.lengths}, of which {', '.join(map(str, uneven))} "
+                          "do not")
 
 
 def _placeholder(tensor: torch.Tensor, spmd=None) -> torch.Tensor:
@@ -304,6 +318,11 @@ def _gib(n: int) -> str:
 
 def table(rows: list[Row], target: Target) -> str:
     """Rows per implementation and length, then the largest length that fits per implementation."""
+    return "\n".join([*table_lines(rows), fitting(rows, target)])
+
+
+def table_lines(rows: list[Row]) -> list[str]:
+    """The table's header and a line per row."""
     lines = [f"{'attn':<10} {'length':>7} {'args_GiB':>9} {'temp_GiB':>9} {'out_GiB':>8} {'total_GiB':>10} "
              f"{'fits':<28} {'compile_s':>9} {'tpu_calls':>9} layers"]
     for row in rows:
@@ -320,11 +339,16 @@ def table(rows: list[Row], target: Target) -> str:
         lines.append(f"{row.attn:<10} {row.length:>7} {sizes[0]:>9} {sizes[1]:>9} {sizes[2]:>8} {total:>10} "
                      f"{verdict:<28} {row.compile_s:>9.1f} {row.tpu_custom_calls:>9} {row.layers}"
                      + (f" (extrapolated from {row.extrapolated_from})" if row.extrapolated_from else ""))
+    return lines
+
+
+def fitting(rows: list[Row], target: Target) -> str:
+    """The largest length that fits per implementation, of the rows compiled."""
     capacity = _gib(generations.get(target.generation).hbm_bytes)
-    lines.append(f"largest length that fits in {target.generation}'s {capacity} GiB of HBM, of those compiled:")
+    lines = [f"largest length that fits in {target.generation}'s {capacity} GiB of HBM, of those compiled:"]
     for attn in dict.fromkeys(row.attn for row in rows):
-        fitting = [row.length for row in rows if row.attn == attn and row.fits]
-        lines.append(f"  {attn:<10} {max(fitting) if fitting else 'none'}")
+        fits = [row.length for row in rows if row.attn == attn and row.fits]
+        lines.append(f"  {attn:<10} {max(fits) if fits else 'none'}")
     return "\n".join(lines)
 
 
@@ -342,15 +366,52 @@ def write_csv(rows: list[Row], target: Target, path: str) -> None:
     os.replace(f.name, path)
 
 
+class _Stopped(BaseException):
+    """SIGINT or SIGTERM arrived: the sweep stops where it is. ``signum`` None: the child that ran the sweep
+    stopped with exit status ``status`` and printed the line. A BaseException, as KeyboardInterrupt is: the
+    sweep records any Exception of a step as that row's error and goes on."""
+
+    def __init__(self, signum: int | None, status: int = 0):
+        super().__init__(signum)
+        self.signum, self.status = signum, status
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs: the kernel kills it when this process dies, however it dies (SIGKILL
+    included), so no compile goes on without it (Linux's PR_SET_PDEATHSIG). SIGKILL, not SIGTERM: a signal
+    handled in Python waits for the compile in progress, and nobody is left to read the child's line."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _stop(signum, frame):
+    # Once: a second signal (Ctrl-C reaches the whole process group, and a parent forwards it too) must not
+    # interrupt the line this one prints.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    raise _Stopped(signum)
+
+
 def run(config: RunConfig) -> int:
     """Compiles the step for every implementation and length, prints the table, writes the CSV.
-    Ctrl-C stops it with one line on stderr and status 130 (128 + SIGINT), as it stops training."""
+    Ctrl-C or SIGTERM stops it with one line on stderr and status 128 + the signal (130, 143), as it
+    stops training; the CSV, replaced whole after every row, keeps the rows compiled before."""
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _sweep(config)
-    except KeyboardInterrupt:  # the CSV, written after every row, keeps the rows compiled before it
-        print("python -m train: interrupted (Ctrl-C): --compile-only stopped; the CSV holds the rows compiled "
+    except (_Stopped, KeyboardInterrupt) as error:
+        stopped = error if isinstance(error, _Stopped) else _Stopped(signal.SIGINT)
+        if stopped.signum is None:  # the child of _in_child stopped and printed the line itself
+            return stopped.status
+        name = "Ctrl-C" if stopped.signum == signal.SIGINT else signal.Signals(stopped.signum).name
+        print(f"python -m train: interrupted ({name}): --compile-only stopped; the CSV holds the rows compiled "
               "before it", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return 128 + stopped.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _sweep(config: RunConfig) -> int:
@@ -359,6 +420,7 @@ def _sweep(config: RunConfig) -> int:
     from . import data, models
 
     target = resolve_target(config.compile_only.topology, config.parallel.mesh if config.parallel.explicit else None)
+    check_split(config)
     if target.mesh:
         if os.environ.get("PJRT_DEVICE") != "CPU" or os.environ.get("CPU_NUM_DEVICES") != str(target.chips):
             return _in_child(config, target.chips)
@@ -377,6 +439,11 @@ def _sweep(config: RunConfig) -> int:
     model_config, _, _ = models.model_config(config.model.name, task=config.run.task, num_labels=num_labels,
                                              dropout=config.model.dropout)
     sizes = lengths(config, models.max_positions(model_config))
+    layers = model_config.get_text_config().num_hidden_layers
+    cuts = tuple(positive_ints("compile_layers", config.compile_only.layers)) if config.compile_only.layers else None
+    if cuts is not None and max(cuts) >= layers:  # an extrapolation from cuts as deep as the model or deeper
+        raise ConfigError(f"--compile-layers: expected two layer counts below the {layers} layers of --model "
+                          f"{config.model.name!r} (cuts to extrapolate from), got {config.compile_only.layers}")
     config = config.with_output_dir()
     path = config.compile_only.report or os.path.join(config.run.output_dir,
                                                       f"hbm-{target.topology.replace(':', '-')}.csv")
@@ -386,10 +453,8 @@ def _sweep(config: RunConfig) -> int:
     print(f"compile-only: {config.model.name} ({config.run.task}), batch {config.data.batch_size}, "
           f"{'bf16 autocast' if config.model.bf16 else 'float32'}, AdamW float32; {where}, libtpu's compiler",
           flush=True)
-    print(table([], target).splitlines()[0], flush=True)
+    print(table_lines([])[0], flush=True)
     rows = []
-    layers = model_config.get_text_config().num_hidden_layers
-    cuts = tuple(positive_ints("compile_layers", config.compile_only.layers)) if config.compile_only.layers else None
     with devices.seen_as_tpu(target.generation):
         for attn in attns:
             for length in sizes:
@@ -401,9 +466,9 @@ def _sweep(config: RunConfig) -> int:
                 else:
                     pair = tuple(_compiled(_cut(model_config, n), config, target, attn, length, n) for n in cuts)
                     rows.append(extrapolate(pair, cuts, layers, generations.get(target.generation).hbm_bytes))
-                print(table(rows[-1:], target).splitlines()[1], flush=True)
+                print(table_lines(rows[-1:])[1], flush=True)
                 write_csv(rows, target, path)  # after every row: an interrupted sweep keeps what it compiled
-    print(table(rows, target))
+    print(fitting(rows, target))  # the rows were printed as they came
     print(f"written: {path}")
     return 0
 
@@ -423,10 +488,15 @@ def _in_child(config: RunConfig, chips: int) -> int:
         else:
             flags += [flag, "none" if value is None else str(value)]
     sys.stdout.flush()
-    with subprocess.Popen([sys.executable, "-P", "-m", "train", *flags], env=env) as child:
+    with subprocess.Popen([sys.executable, "-P", "-m", "train", *flags], env=env, preexec_fn=_die_with_parent) as child:
         while True:
             try:
                 status = child.wait()
                 return 128 - status if status < 0 else status
-            except KeyboardInterrupt:  # Ctrl-C reached the child too: it stops with its own line and 130
-                continue
+            except _Stopped as stopped:  # passed on: the child stops with its own line and 128 + the signal
+                if child.poll() is None:
+                    child.send_signal(stopped.signum)
+                status = child.wait()
+                if status < 0:  # killed before it could say so: this process says it
+                    raise
+                raise _Stopped(None, status) from None

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import numpy as np
 import torch
@@ -40,8 +41,10 @@ MESHES = {4: [((1, 4), ("data", "context")), ((2, 2), ("data", "context"))],
 CASES = {
     # Packed documents crossing the shards' boundaries, causal, softcap, a bias per head (summed over data).
     "gqa_causal_segments_softcap": ((1, Q_HEADS, SEQ, SEQ), dict(causal=True, segments=True, softcap=20.0)),
-    # A sliding window and dropout, a bias per key (whole on every query row: summed over the sequence).
-    "window_dropout_key_bias": ((BATCH, 1, 1, SEQ), dict(window=(40, 8), dropout_p=0.25, dropout_seed=2**31 + 7)),
+    # A sliding window and dropout, a bias per key (whole on every query row: summed over the sequence), in
+    # query blocks of 16 rows: two or more per shard, so the blocks of a shard's second half read its offset.
+    "window_dropout_key_bias": ((BATCH, 1, 1, SEQ), dict(window=(40, 8), dropout_p=0.25, dropout_seed=2**31 + 7,
+                                                         block_sizes=torchattn.BlockSizes(16, 128, 16, 128))),
 }
 NAMES = ("out", "lse", "dq", "dk", "dv", "dbias")
 # (case, balanced, q's own sharding read instead of a context's): every case in both orders, and q marked.
@@ -162,6 +165,16 @@ def errors(mesh) -> dict:
         "balanced_without_sequence": lambda: torchattn.sharded(mesh, batch="data", balanced=True).__enter__()})
 
 
+def auto_choice(mesh) -> dict:
+    """What ``auto`` picks for a sequence-sharded call, and the warnings running it gives."""
+    q = torch.randn(BATCH, Q_HEADS, SEQ, HEAD_DIM).to(torch_xla.device()) * 1.0
+    with torchattn.sharded(mesh, batch="data", sequence="context"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        choice = torchattn.explain(q, q[:, :KV_HEADS], q[:, :KV_HEADS], causal=True)
+        torchattn.flash_attention(q, q[:, :KV_HEADS], q[:, :KV_HEADS], causal=True)
+    return {"backend": choice.backend, "warnings": [str(w.message) for w in seen]}
+
+
 def main(dump: str, out_path: str) -> None:
     xr.use_spmd()
     count = xr.global_runtime_device_count()
@@ -184,6 +197,7 @@ def main(dump: str, out_path: str) -> None:
                 "hlo": hlo_facts(new_programs(dump, seen))})
     if count == 4:
         results["errors"] = errors(xs.Mesh(np.arange(4), (1, 4), ("data", "context")))
+        results["auto"] = auto_choice(xs.Mesh(np.arange(4), (1, 4), ("data", "context")))
         pallas_graph(xs.Mesh(np.arange(4), (1, 4), ("data", "context")),
                      os.path.join(os.path.dirname(out_path), "pallas_context.mlir"))
     with open(out_path, "w") as f:

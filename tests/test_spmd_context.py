@@ -108,6 +108,13 @@ def test_what_a_sequence_sharding_refuses_is_named(four):
 
 
 @pytest.mark.slow
+def test_auto_runs_a_sequence_sharded_call_per_device_without_a_fallback_warning(four):
+    """On XLA:CPU ``auto`` prefers the xla backend, which runs on global tensors: for a sequence-sharded call
+    interpret is the first that can serve it, a choice and not a fallback."""
+    assert four["auto"] == {"backend": "interpret", "warnings": []}
+
+
+@pytest.mark.slow
 def test_tpu_compiler_compiles_the_sequence_sharded_pallas_graph(four):
     """The real XLA:TPU compiler (libtpu, compile-only v5e 2x2) partitions the pallas graph, context=4 and
     balanced: each chip's kernels take its quarter of q and the whole K/V, which it gathers."""

@@ -224,6 +224,12 @@ LM_CONTEXT = ["--recipe", "sotu-lm", "--max-length", "256", "--batch-size", "2"]
     (["--recipe", "sotu-lm", "--max-length", "251", "--mesh", "context=2"],
      "--max-length: expected batch lengths that split evenly over the 2 context devices of --mesh context=2, "
      "multiples of 2; got 251, whose batches with --task lm are 251 tokens long"),
+    (LM_CONTEXT + ["--mesh", "context=2", "--backend", "xla"],
+     "--backend: expected auto or pallas or interpret with a context axis in --mesh (they run each device's part "
+     "of the sequence), got xla, which runs on the global tensors"),
+    (LM_CONTEXT + ["--mesh", "context=2", "--backend", "reference"],
+     "--backend: expected auto or pallas or interpret with a context axis in --mesh (they run each device's part "
+     "of the sequence), got reference, which runs on the global tensors"),
     (["--max-length", "256", "--batch-size", "3", "--mesh", "context=3"],
      "--max-length: expected batch lengths that split evenly over the 3 context devices of --mesh context=3, "
      "multiples of 3; got 256, whose batches with --task classification are 64, 128, 256 tokens long"),

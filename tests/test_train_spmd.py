@@ -343,11 +343,15 @@ def test_long_document_recipe_on_a_mesh_logs_the_single_device_losses(llama, tmp
 
 
 @pytest.mark.slow
-def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path):
-    result = run_spmd(["-m", "train", "--mesh", "data=3", "--batch-size", "3", "--output-dir", str(tmp_path / "x")])
+@pytest.mark.parametrize("devices, mesh, seen", [(4, "data=3", "4 devices"), (1, "fsdp=4", "1 device")])
+def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path, devices, mesh, seen):
+    result = run_spmd(["-m", "train", "--mesh", mesh, "--batch-size", "12", "--output-dir", str(tmp_path / "x")],
+                      devices=devices)
     assert result.returncode == 2
+    wanted = mesh.split("=")[1]
     assert result.stderr.strip().splitlines()[-1] == (
-        "python -m train: error: --mesh: expected axis sizes whose product is the 4 devices, got 'data=3'")
+        f"python -m train: error: --mesh: expected axis sizes whose product is the {seen}, got '{mesh}' (XLA:CPU "
+        f"has {wanted} virtual devices with CPU_NUM_DEVICES={wanted})")
     assert not os.path.exists(tmp_path / "x")
 
 
@@ -528,5 +532,7 @@ def test_a_balanced_context_run_resumes_exactly_on_its_mesh_and_on_one_device(lo
 
     capsys.readouterr()
     assert main(["--output-dir", str(single), "--resume", "--mesh", "none"]) == 0
-    assert "  --balance-context: True -> False from step 2 on" in capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr().out.splitlines()
+    assert "  --balance-context: True -> False from step 2 on" in printed
+    assert "  --mesh: 'fsdp=2,context=2' -> none from step 2 on" in printed, "None as --mesh spells it"
     assert losses(single) == pytest.approx(long_documents["one"], rel=CONTEXT_REL)

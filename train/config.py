@@ -273,6 +273,13 @@ class Parallel(_Group):
                               f"got --mesh {self.mesh or 'none'}")
 
 
+def _per_device_backends() -> tuple[str, ...]:
+    """torchattn's backends that run per device under SPMD: the ones a sequence-sharded call can use."""
+    from torchattn.backends import BACKENDS
+
+    return tuple(name for name, backend in BACKENDS.items() if backend.per_device)
+
+
 @dataclasses.dataclass(kw_only=True)
 class RunConfig:
     """Everything a run depends on, one group per component (``config.data.max_length``,
@@ -310,17 +317,28 @@ class RunConfig:
             causal = " or ".join(name for name in tasks.TASKS if tasks.get(name).CAUSAL)
             raise ConfigError(f"--balance-context: expected a causal task ({causal}), got --task {self.run.task}, "
                               "whose attention is bidirectional: every device has the same work without it")
+        per_device = _per_device_backends()
+        if self.model.attn == "torchattn" and self.model.backend not in ("auto", *per_device):
+            raise ConfigError(f"--backend: expected auto or {' or '.join(per_device)} with a {SEQUENCE_AXIS} axis in "
+                              f"--mesh (they run each device's part of the sequence), got {self.model.backend}, "
+                              "which runs on the global tensors")
         if balanced and self.model.attn != "torchattn":
             raise ConfigError(f"--balance-context: expected --attn torchattn, got --attn {self.model.attn}, which "
                               "masks by the natural token order and would be wrong on the reordered tokens")
-        pieces = self.parallel.context * (2 if balanced else 1)
+        pieces, how = self.context_split()
         lengths = tasks.get(self.run.task).lengths(self.data.max_length)
         if any(length % pieces for length in lengths):
-            how = f"{self.parallel.context} {SEQUENCE_AXIS} devices of --mesh {self.parallel.mesh}" + (
-                " x 2 chunks each (--balance-context)" * balanced)
             raise ConfigError(f"--max-length: expected batch lengths that split evenly over the {how}, multiples of "
                               f"{pieces}; got {self.data.max_length}, whose batches with --task {self.run.task} are "
                               f"{', '.join(map(str, lengths))} tokens long")
+
+    def context_split(self) -> tuple[int, str]:
+        """(pieces, how): the sequence of every batch is cut into ``pieces`` (the context axis's devices, twice
+        as many chunks with --balance-context), as ``how`` says in a message."""
+        balanced = self.parallel.balance_context
+        how = f"{self.parallel.context} {SEQUENCE_AXIS} devices of --mesh {self.parallel.mesh}" + (
+            " x 2 chunks each (--balance-context)" * balanced)
+        return self.parallel.context * (2 if balanced else 1), how
 
     @classmethod
     def from_flat(cls, values: dict[str, Any]) -> "RunConfig":

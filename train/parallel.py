@@ -95,8 +95,12 @@ class Spmd:
         xr.use_spmd()
         devices = xr.global_runtime_device_count()
         text = ",".join(f"{axis}={size}" for axis, size in axes.items())
-        if math.prod(axes.values()) != devices:
-            raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} devices, got {text!r}")
+        wanted = math.prod(axes.values())
+        if wanted != devices:
+            more = (f"XLA:CPU has {wanted} virtual devices with CPU_NUM_DEVICES={wanted}" if xr.device_type() == "CPU"
+                    else f"this slice has {devices} {xr.device_type()} devices")
+            raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} device{'s' * (devices != 1)}"
+                              f", got {text!r} ({more})")
         self.axes = axes
         # Devices in id order, laid out row-major: each host's devices are consecutive ids, so its
         # part of the batch is a consecutive block of rows (data.host_rows).

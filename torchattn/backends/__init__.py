@@ -36,6 +36,15 @@ class Choice:
     passed_over: dict[str, str]
 
 
+def preference(request: Request) -> tuple[str, ...]:
+    """The backends ``auto`` tries for ``request``, best first: the device kind's, and of those only the ones
+    that run per device when the call is sequence-sharded (there the others are no choice, not a fallback)."""
+    order = _PREFERENCE[devices.kind(request.device)]
+    if spmd.sequence_sharded(request):
+        order = tuple(name for name in order if BACKENDS[name].per_device) or order
+    return order
+
+
 def choose(request: Request, backend: str = "auto") -> Choice:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
@@ -53,7 +62,7 @@ def choose(request: Request, backend: str = "auto") -> Choice:
         passed_over = {n: r or f"not requested (backend={backend!r})" for n, r in reasons.items() if n != chosen}
         return Choice(chosen, passed_over)
     kind = devices.kind(request.device)
-    order = _PREFERENCE[kind]
+    order = preference(request)
     chosen = next((name for name in order if reasons[name] is None), None)  # reference serves all but sharded rows
     if chosen is None:
         raise ValueError("backend: no backend can serve this call: "
@@ -73,7 +82,7 @@ def select(request: Request, backend: str = "auto") -> Backend:
     """The backend to run; warns once per (backend, reason) on fallback."""
     choice = choose(request, backend)
     if backend == "auto":
-        preferred = _PREFERENCE[devices.kind(request.device)][0]
+        preferred = preference(request)[0]
         if choice.backend != preferred:
             reason = choice.passed_over[preferred]
             once.warn(("fallback", choice.backend, reason),

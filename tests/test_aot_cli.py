@@ -152,7 +152,8 @@ def test_bad_arguments_exit_2_naming_the_flag(flag, value, says, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*argv, f"{flag}={value}"])
     assert exit_.value.code == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
+    error = capsys.readouterr().err
+    assert error.startswith("python -m torchattn.aot: error: ") and error.count("\n") == 1, "one line, no usage"
     assert f"argument {flag}:" in error and says in error, error
 
 

@@ -160,3 +160,33 @@ def test_reference_dropout_gradient_uses_the_same_mask():
     expected = torch.autograd.grad(manual_dropout_attention(q, k, v, 0.3, 11).sum(), (q, k, v))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------
+# Every backend that drops out: one mask per head.
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "interpret"])
+def test_two_heads_with_equal_inputs_drop_different_keys(backend, request):
+    """v = the identity makes the output the dropped-out probabilities themselves, so out != 0 is the
+    keep mask: two heads that see the same q, k and v must still keep different keys (each head's own
+    dropout key), and the same call at the same seed must keep the same ones."""
+    length = 64  # keys, and head_dim: v is (length, length)
+    g = torch.Generator().manual_seed(21)
+    q, k = (torch.randn(1, 1, length, length, generator=g).expand(1, 2, length, length).contiguous()
+            for _ in range(2))
+    v = torch.eye(length).expand(1, 2, length, length).contiguous()
+    if backend != "reference":
+        device = request.getfixturevalue("device")
+        q, k, v = q.to(device), k.to(device), v.to(device)
+
+    def keep(seed):
+        out = torchattn.flash_attention(q, k, v, dropout_p=0.5, dropout_seed=seed, backend=backend).cpu()
+        return out != 0
+
+    mask = keep(1234)
+    assert within(mask.double().mean().item(), 0.5, mask.numel(), 0.5), "about half the keys are kept"
+    assert torch.equal(keep(1234), mask), "the same seed keeps the same keys"
+    head_agreement = agreement(mask[:, 0], mask[:, 1])
+    assert within(head_agreement, independent_agreement(0.5), mask[:, 0].numel(), 0.5), \
+        f"heads 0 and 1 agree on {head_agreement:.3f} of their keys: the same dropout key for both"

@@ -78,3 +78,22 @@ def test_output_dtype_and_bias_dtype_mixing():
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert bias.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_explicit_scale_is_applied(causal):
+    """A scale other than head_dim ** -0.5 (numerics.Case always uses the default) against the float64
+    reference, forward and backward."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 33, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    do = torch.randn(2, 4, 33, 16, generator=g, dtype=torch.float64)
+
+    def run(backend, dtype):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        out = torchattn.flash_attention(*leaves, causal=causal, scale=0.9, backend=backend)
+        grads = torch.autograd.grad(out, leaves, do.to(dtype))
+        return [t.double() for t in (out, *grads)]
+
+    expected = run("reference", torch.float64)
+    for got, want in zip(run("sdpa", torch.float32), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -31,9 +31,17 @@ from .attention import BACKWARDS, BIAS_KINDS, Attention, compile_attention
 MiB = 1 << 20
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit status 2, without the usage block (as
+    python -m train's)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m torchattn.aot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="python -m torchattn.aot", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generation", required=True, choices=[*generations.GENERATIONS, "all"],
                         help="TPU generation to compile for; 'all' compiles for each")
     parser.add_argument("--schedule", action="store_true",

@@ -343,10 +343,13 @@ def test_long_document_recipe_on_a_mesh_logs_the_single_device_losses(llama, tmp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices, mesh, seen", [(4, "data=3", "4 devices"), (1, "fsdp=4", "1 device")])
-def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path, devices, mesh, seen):
-    result = run_spmd(["-m", "train", "--mesh", mesh, "--batch-size", "12", "--output-dir", str(tmp_path / "x")],
-                      devices=devices)
+@pytest.mark.parametrize("devices, mesh, seen, flags", [
+    (4, "data=3", "4 devices", []), (1, "fsdp=4", "1 device", []),
+    # 256 tokens do not split over 3 context devices either: the mesh, the cause, is named, not --max-length.
+    (4, "context=3", "4 devices", ["--recipe", "sotu-lm", "--max-length", "256"])])
+def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path, devices, mesh, seen, flags):
+    result = run_spmd(["-m", "train", *flags, "--mesh", mesh, "--batch-size", "12", "--output-dir",
+                       str(tmp_path / "x")], devices=devices)
     assert result.returncode == 2
     wanted = mesh.split("=")[1]
     assert result.stderr.strip().splitlines()[-1] == (

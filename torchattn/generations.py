@@ -11,20 +11,21 @@ it again). ``device_kind`` is the string a TPU device reports
 (``torch_xla.core.xla_model.xla_device_kind``, ``jax.Device.device_kind``);
 ``topology`` names a small slice for libtpu's compile-only client.
 
-The schedule's rates (torchattn/aot/schedule.py reads the compiler's VLIW schedule,
-compiler estimates, not timings): ``mxu_macs_per_bundle`` is measured with libtpu
-0.0.21 (``tests/test_aot_schedule.py`` measures it again on v5e): a Pallas kernel that
-is only a bf16 matmul, (512, 1024) x (1024, 1024) per grid step, float32 out
-(``torchattn.aot.schedule.matmul_kernel(512, 1024, 1024, 4)``), compiles to 7,683 bundles
-per step on v5e, 2,378 on v6e, 7,174 on v4, 7,716 on v5p; MACs per step / bundles per step.
-It depends on the shape by about +-12 % ((1024, 512) x (512, 1024): 88.0 k on v5e, 231 k
-on v6e; (512, 128) x (128, 512): 74.4 k on v5e), and exceeds what v5e's 4 MXUs x 128^2
-could do per cycle: a bundle is an issue slot, not a cycle. ``clock_hz`` is then the bundle
-rate at which that kernel runs at the public peak: peak_bf16_flops / tensorcores /
-(2 * mxu_macs_per_bundle) (v5e 1.41 GHz, against the 1.5 GHz that 4 x 128^2 x 2 MACs per
-cycle x 1.5 GHz = 197 TFLOP/s suggests; v6e's schedule names only 2 MXUs). ``tensorcores``
-per chip: v4's compile-only device is one TensorCore; v5p's is the chip, whose
-compiled loop runs half the parallel grid steps per core.
+The schedule's rate (torchattn/aot/schedule.py reads the compiler's VLIW schedule: compiler
+estimates, not timings). A bundle is an issue slot, not a cycle (v5e's densest matmul packs
+92.6 k MACs into a bundle, more than its 4 MXUs x 128^2 do per cycle), so the time of a bundle
+is calibrated: ``mxu_macs_per_bundle`` is the most MACs libtpu 0.0.21 packs into a bundle of a
+Pallas kernel that is only a bf16 matmul, (m, k) x (k, n) per grid step, float32 out
+(``torchattn.aot.schedule.matmul_kernel``), over m 512-4096 and k, n 128-1024
+(``scripts/calibrate_mxu.py``, its output in docs/bench/mxu-calibration.csv; the densest shape
+is ``mxu_probe_shape``, which ``tests/test_aot_schedule.py`` compiles again on v5e). It depends on
+the shape (v5e: 69.9 k at 512 x 1024 x 1024, 92.6 k at 4096 x 128 x 512): the loads of the
+MXU's weights take fewer bundles per MAC the more rows stream through them. ``clock_hz``, the
+bundle rate, is the rate at which that densest kernel runs at the public peak: then a kernel
+whose matmuls pack no denser reads at most the peak. (Calibrated on 512 x 1024 x 1024, as
+before, dq kernels with 1024-row tiles read 1.01-1.03 of the peak.) ``tensorcores`` per chip:
+v4's compile-only device is one TensorCore; v5p's is the chip, whose compiled loop runs half the
+parallel grid steps per core.
 """
 
 from __future__ import annotations
@@ -51,8 +52,13 @@ class Generation:
     blocks: tuple[int, int, int, int]
     blocks_wide_heads: tuple[int, int, int, int]
     tensorcores: int  # per chip
-    mxu_macs_per_bundle: float  # measured: see the module docstring
-    clock_hz: float  # peak_bf16_flops / tensorcores / (2 * mxu_macs_per_bundle): bundles per second
+    mxu_probe_shape: tuple[int, int, int]  # (m, k, n) of the densest matmul-only kernel: see the module docstring
+    mxu_macs_per_bundle: int  # its MACs per bundle, rounded up
+
+    @property
+    def clock_hz(self) -> float:
+        """Bundles per second: the rate at which the densest matmul-only kernel runs at the peak."""
+        return self.peak_bf16_flops / self.tensorcores / (2 * self.mxu_macs_per_bundle)
 
     @property
     def ridge_flops_per_byte(self) -> float:
@@ -69,16 +75,16 @@ GENERATIONS = {
         # v4: 16 MiB of VMEM is also Mosaic's default limit; nothing to raise.
         Generation("v4", "TPU v4", "v4:2x2x1", 275e12, 1228e9, 32 * GiB, 16 * MiB, None,
                    blocks=(512, 512, 512, 512), blocks_wide_heads=(512, 512, 256, 512),
-                   tensorcores=2, mxu_macs_per_bundle=74_836, clock_hz=0.919e9),
+                   tensorcores=2, mxu_probe_shape=(4096, 128, 256), mxu_macs_per_bundle=87_839),
         Generation("v5e", "TPU v5 lite", "v5e:2x2", 197e12, 819e9, 16 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(512, 512, 1024, 1024), blocks_wide_heads=(1024, 512, 1024, 2048),
-                   tensorcores=1, mxu_macs_per_bundle=69_878, clock_hz=1.410e9),
+                   tensorcores=1, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=92_628),
         Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 95 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(512, 512, 1024, 1024), blocks_wide_heads=(512, 512, 512, 1024),
-                   tensorcores=2, mxu_macs_per_bundle=69_579, clock_hz=1.649e9),
+                   tensorcores=2, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=91_648),
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(1024, 1024, 1024, 2048), blocks_wide_heads=(1024, 1024, 1024, 2048),
-                   tensorcores=1, mxu_macs_per_bundle=225_766, clock_hz=2.033e9),
+                   tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744),
     )
 }
 

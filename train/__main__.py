@@ -42,7 +42,7 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     from .config import ConfigError, parse_args
 
     try:
-        config = parse_args(argv)
+        config = parse_args(argv, devices=_runtime_devices)
     except ConfigError as error:
         return _bad_input(error)
 
@@ -80,6 +80,12 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     print(summary_table(summary, results))
     print("\n".join(f"{name} {value}" for name, value in results if name in trainer.task.HEADLINE))
     return 0
+
+
+def _runtime_devices() -> tuple[int, str]:
+    from .parallel import runtime_devices  # imports torch: only for an explicit --mesh
+
+    return runtime_devices()
 
 
 def _bad_input(error: Exception) -> int:

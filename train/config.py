@@ -24,7 +24,7 @@ import json
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import tasks  # the names only: the task modules import torch, which parsing flags does not need
 
@@ -529,9 +529,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: list[str] | None = None) -> RunConfig:
+def check_mesh_devices(axes: dict[str, int], devices: int, device_type: str) -> None:
+    """ConfigError naming --mesh when its sizes do not multiply to the ``devices`` of ``device_type`` the
+    run has, and how to get that many."""
+    wanted = math.prod(axes.values())
+    if wanted != devices:
+        text = ",".join(f"{axis}={size}" for axis, size in axes.items())
+        more = (f"XLA:CPU has {wanted} virtual devices with CPU_NUM_DEVICES={wanted}" if device_type == "CPU"
+                else f"this slice has {devices} {device_type} devices")
+        raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} device{'s' * (devices != 1)}"
+                          f", got {text!r} ({more})")
+
+
+def parse_args(argv: list[str] | None = None, *,
+               devices: Callable[[], tuple[int, str]] | None = None) -> RunConfig:
     """The run's configuration from the command line (and the files it names).
 
+    ``devices``: () -> (count, device type) of the devices the run has; given, an explicit --mesh is checked
+    against them before anything else (a mesh that does not fit is the cause of what else it breaks, e.g. a
+    --max-length its context axis does not split). --compile-only's mesh is its topology's, checked there.
     Raises ConfigError (one line naming the flag) for any bad value, file or recipe.
     """
     given = vars(build_parser().parse_args(argv))
@@ -552,7 +568,11 @@ def parse_args(argv: list[str] | None = None) -> RunConfig:
         recipe = explicit.get("recipe", FIELDS["recipe"][1].default)
         _check_choice("recipe", recipe, tuple(RECIPES))
         base = dict(RECIPES[recipe], recipe=recipe)
-    return RunConfig.from_flat({**base, **explicit})
+    values = {**base, **explicit}
+    parallel = Parallel(mesh=values.get("mesh", AUTO_MESH))
+    if devices is not None and parallel.explicit and values.get("compile_only") is None:
+        check_mesh_devices(mesh_axes(parallel.mesh), *devices())
+    return RunConfig.from_flat(values)
 
 
 CONFIG_FILE = "config.json"

@@ -17,14 +17,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import math
 import os
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
 
-from .config import AUTO_MESH, BATCH_AXES, SEQUENCE_AXIS, ConfigError, batch_devices
+from .config import AUTO_MESH, BATCH_AXES, SEQUENCE_AXIS, batch_devices, check_mesh_devices
 
 PARAMETER_AXIS = "fsdp"
 
@@ -47,6 +46,13 @@ def default_mesh(devices: int, batch_size: int, *, launched: bool) -> tuple[str 
         return None, (f"none: one of the {devices} devices (--batch-size {batch_size} is not a multiple of "
                       f"{devices}; a multiple trains on all of them)")
     return f"{PARAMETER_AXIS}={devices}", "the default on a host with several devices (--mesh none: one device)"
+
+
+def runtime_devices() -> tuple[int, str]:
+    """(how many devices the run has over all hosts, their type): counted before SPMD is on (as resolve_mesh)."""
+    import torch_xla.runtime as xr
+
+    return xr.global_runtime_device_count(), xr.device_type()
 
 
 def resolve_mesh(mesh: str | None, batch_size: int) -> tuple[str | None, str | None]:
@@ -94,13 +100,8 @@ class Spmd:
 
         xr.use_spmd()
         devices = xr.global_runtime_device_count()
+        check_mesh_devices(axes, devices, xr.device_type())
         text = ",".join(f"{axis}={size}" for axis, size in axes.items())
-        wanted = math.prod(axes.values())
-        if wanted != devices:
-            more = (f"XLA:CPU has {wanted} virtual devices with CPU_NUM_DEVICES={wanted}" if xr.device_type() == "CPU"
-                    else f"this slice has {devices} {xr.device_type()} devices")
-            raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} device{'s' * (devices != 1)}"
-                              f", got {text!r} ({more})")
         self.axes = axes
         # Devices in id order, laid out row-major: each host's devices are consecutive ids, so its
         # part of the batch is a consecutive block of rows (data.host_rows).

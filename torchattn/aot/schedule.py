@@ -94,15 +94,16 @@ def enable_dump(fresh: bool = False) -> Path:
 _owned: set[str] = set()  # dump directories enable_dump made: their files are deleted once read
 
 
-# An estimate above the peak by more than a matmul kernel's shape moves the MXU rate (docs: generations.py,
-# +-12 %, 1.26x at the best shape measured) is a schedule misread: refused, never returned.
-IMPOSSIBLE = 2.0
+# The clock is the bundle rate at which the densest matmul-only kernel the compiler schedules runs at the
+# peak (generations.py): a kernel estimated above the peak would pack its matmuls denser than that, so its
+# schedule was misread. Refused, never returned.
+IMPOSSIBLE = 1.0
 
 
 def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
     """Compiles each kernel for ``generation`` with the dump on and estimates one call from its schedule.
     Raises DumpFormatError (a ValueError) when the files are not libtpu 0.0.21's format, or when what they
-    say puts a kernel's FLOPs above IMPOSSIBLE x the peak."""
+    say puts a kernel's FLOPs above the peak (IMPOSSIBLE)."""
     chip = generations.get(generation)
     directory = enable_dump()
     out = []
@@ -135,7 +136,7 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
         if kernel.useful_flops / seconds > IMPOSSIBLE * peak:
             raise schedule_dump.DumpFormatError(
                 schedule.path, f"kernel {kernel.name} would do its {kernel.useful_flops:.3g} FLOPs at "
-                f"{kernel.useful_flops / seconds / peak:.1f}x the chip's peak from {step_mean} bundles per step: the "
+                f"{kernel.useful_flops / seconds / peak:.2f}x the chip's peak from {step_mean} bundles per step: the "
                 "loop read is not the kernel's grid step")
         out.append(Estimate(
             name=kernel.name, generation=generation, body_bundles=schedule.body_bundles, step_bundles=step_mean,

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from torchattn import context, once, spmd
+from torchattn import context, once, sharding
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -113,10 +113,10 @@ def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
 def _balanced_order(length: int) -> torch.Tensor | None:
     """The natural index of each token (torchattn.balanced_order, on the CPU) inside a
     ``torchattn.sharded(..., balanced=True)`` context, whose tokens are in the dual-chunk order; else None."""
-    sharding = spmd.innermost()
-    if sharding is None or not sharding.balanced:
+    active = sharding.innermost()
+    if active is None or not active.balanced:
         return None
-    return context.balanced_order(length, sharding.ways(sharding.sequence))
+    return context.balanced_order(length, active.ways(active.sequence))
 
 
 def _ids_from_cu_seq_lens(cu: torch.Tensor, length: int) -> torch.Tensor:

@@ -53,4 +53,4 @@ def test_backends_are_objects_the_ops_dispatch_on():
     assert [name for name, b in backends.BACKENDS.items() if b.vmem_checked] == ["pallas"]
     assert blockwise("xla") is backends.BACKENDS["xla"]
     with pytest.raises(TypeError, match="backend 'half': expected either dense or both forward and backward"):
-        Backend("half", lambda request: None, forward=lambda tensors, options: None)
+        Backend("half", lambda request: None, frozenset({"scale"}), forward=lambda tensors, options: None)

@@ -10,7 +10,7 @@ from .block_sizes import BlockSizes  # noqa: E402
 from .context import balanced_order  # noqa: E402
 from .dropout import dropout_mask  # noqa: E402
 from .reference import attention_reference  # noqa: E402
-from .spmd import sharded  # noqa: E402
+from .sharding import sharded  # noqa: E402
 from .tune_cache import clear_tuned, tuned  # noqa: E402
 from .tuning import tune  # noqa: E402
 

@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from . import backends, devices, segments, tune_cache
+from . import backends, devices, segments, sharding, tune_cache
 from .block_sizes import BlockSizes
 from .dropout import MASK32, seed_to_uint32
 from .request import Options, Request, accumulation_dtype
@@ -174,6 +174,7 @@ def _validate(q, k, v, causal, scale, window, segment_ids, kv_segment_ids, softc
                       block_sizes=_block_sizes(block_sizes, q, k, generation), generation=generation)
     request = Request(q=q, k=k, v=v, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                       bias=bias, seed=seed, options=options, return_lse=return_lse)
+    request.sharding = sharding.resolve(request)
     if block_sizes is None:  # what torchattn.tune cached for this call replaces the default
         tuned = tune_cache.lookup(request)
         if tuned is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from . import features
 from .request import Request
 
 _BLOCKWISE: dict[str, Backend] = {}
@@ -20,7 +21,9 @@ _BLOCKWISE: dict[str, Backend] = {}
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """name: what ``backend=`` and :func:`torchattn.explain` call it.
-    unavailable(request) -> why it cannot serve ``request``, None if it can.
+    unavailable(request) -> why it cannot serve ``request`` (device, dtype), None if it can.
+    features: the call features (torchattn/features.py) it serves; a call using any other is refused
+        (:meth:`refusal`), with ``refusals[name]`` as the reason where given, else the feature's name.
     dense(request) -> (out, lse or None), for a backend that runs the whole call itself; or
     forward(Tensors, Options) -> (out, lse) and
     backward(do, dlse, out, lse, Tensors, Options, wanted) -> {name: gradient}, for a blockwise one
@@ -31,6 +34,8 @@ class Backend:
 
     name: str
     unavailable: Callable[[Request], str | None]
+    features: frozenset[str]
+    refusals: dict[str, str] = dataclasses.field(default_factory=dict)
     dense: Callable | None = None
     forward: Callable | None = None
     backward: Callable | None = None
@@ -40,8 +45,20 @@ class Backend:
     def __post_init__(self):
         if (self.dense is None) == (self.forward is None) or (self.forward is None) != (self.backward is None):
             raise TypeError(f"backend {self.name!r}: expected either dense or both forward and backward")
+        features.check_names(self.name, self.features)
         if self.blockwise:
             _BLOCKWISE[self.name] = self
+
+    def refusal(self, request: Request) -> str | None:
+        """Why it cannot serve ``request``: unavailable's reason, else the first feature the call uses that it
+        does not declare; None if it can."""
+        reason = self.unavailable(request)
+        if reason is not None:
+            return reason
+        missing = features.unsupported(request, self.features)
+        if not missing:
+            return None
+        return self.refusals.get(missing[0]) or f"{missing[0]}: not among the features it serves"
 
     @property
     def blockwise(self) -> bool:

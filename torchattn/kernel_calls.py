@@ -20,6 +20,10 @@ from .tiling import LANES, SUBLANES, round_up
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
+# The call features (torchattn/features.py) the Pallas kernels serve, in both modes.
+FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "return_lse", "segment_ids", "bias"})
+
+
 def unavailable(request: Request) -> str | None:
     if request.device.type != "xla":
         return f"needs tensors on an XLA device; got {request.device.type}"

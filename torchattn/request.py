@@ -168,6 +168,7 @@ class Request:
         present whenever segment_ids is.
     bias: 4-D, each dim 1 or the full (batch, q_heads, q_len, kv_len) size, or None.
     seed: int64 tensor of shape (1,) holding the 32 seed bits, present iff dropout_p > 0.
+    sharding: see the field.
     """
 
     q: torch.Tensor
@@ -179,6 +180,9 @@ class Request:
     seed: torch.Tensor | None
     options: Options
     return_lse: bool
+    # How the inputs are sharded under SPMD (torchattn.sharding.resolve): a Sharding, "whole" or None; found
+    # once, at validation, for the backend's choice and its run alike.
+    sharding: object = None
 
     def tensors(self, batch_shards: int = 1, head_shards: int = 1, row_offsets: torch.Tensor | None = None) -> Tensors:
         """The call's tensors, global, with the per-device tables of ``batch_shards`` x ``head_shards`` x

@@ -39,7 +39,6 @@ import contextlib
 import copy
 import csv
 import dataclasses
-import functools
 import gc
 import importlib.util
 import math
@@ -56,7 +55,7 @@ import torch
 from torchattn import generations
 from torchattn.generations import GiB
 
-from . import tasks
+from . import build, tasks
 from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, mesh_axes, positive_ints
 
 # The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
@@ -227,15 +226,6 @@ def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spmd
                 moments[key] = _placeholder(value, spmd)
 
 
-@functools.lru_cache(maxsize=1)
-def _spmd(mesh: str):
-    """The process's parallel.Spmd over --mesh: SPMD is process-wide, turned on once before anything
-    touches the XLA device."""
-    from .parallel import Spmd
-
-    return Spmd(mesh_axes(mesh))
-
-
 def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple[str, int]:
     """StableHLO of one training step, and the bytes per chip of its outputs that overwrite an argument.
     With --mesh it is the run's SPMD step (train/parallel.py lays out the state, the batch and attention).
@@ -247,7 +237,7 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
 
     from .trainer import micro_batch_gradients, optimizer_update
 
-    spmd = _spmd(config.parallel.mesh) if config.parallel.explicit else None
+    spmd = build.spmd(config.parallel.mesh) if config.parallel.explicit else None
     text_config = model_config.get_text_config()
     batch = tasks.get(config.run.task).synthetic_batch(config.data.batch_size, text_config.vocab_size, length)
     # Before any placeholder exists: the run's loader syncs, which would run the graph that reads them.
@@ -256,7 +246,7 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
     else:  # split over the batch axes as the run's loader splits it; the one pair it yields
         [(_, inputs)] = spmd.device_batches([batch])
     model = _empty_model(model_config, config, attn)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.optimizer.lr, weight_decay=0.0)  # as the trainer's
+    optimizer = build.optimizer(model.parameters(), config)
     _steady_state(model, optimizer, spmd)
     with spmd.attention() if spmd is not None else contextlib.nullcontext():
         loss = micro_batch_gradients(model, inputs, config)
@@ -424,7 +414,7 @@ def _sweep(config: RunConfig) -> int:
     if target.mesh:
         if os.environ.get("PJRT_DEVICE") != "CPU" or os.environ.get("CPU_NUM_DEVICES") != str(target.chips):
             return _in_child(config, target.chips)
-        _spmd(target.mesh)  # SPMD on, before anything touches the XLA device
+        build.spmd(target.mesh)  # SPMD on, before anything touches the XLA device
     attns = [a.strip() for a in config.compile_only.attn.split(",")] if config.compile_only.attn else list(ATTNS)
     num_labels = None
     if tasks.get(config.run.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)

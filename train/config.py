@@ -36,6 +36,8 @@ SCHEDULES = ("linear", "cosine")
 MESH_AXES = ("data", "fsdp", "context", "model")
 BATCH_AXES = ("data", "fsdp")
 SEQUENCE_AXIS = "context"
+RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+RECIPE_NAMES = tuple(sorted(name.removesuffix(".toml") for name in os.listdir(RECIPE_DIR) if name.endswith(".toml")))
 AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (parallel.default_mesh)
 MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
 
@@ -103,7 +105,7 @@ class _Group:
 class Run(_Group):
     """What the run is, how it is seeded, where it goes."""
 
-    recipe: str = _doc("named set of defaults: " + "|".join(("bbc-topics", "sotu-lm")), default="bbc-topics")
+    recipe: str = _doc("named set of defaults: " + "|".join(RECIPE_NAMES), default="bbc-topics")
     task: str = _doc("|".join(tasks.TASKS), default="classification")
     seed: int = _doc("seed of the split, the batch order, the weights' initialisation and dropout", default=0)
     output_dir: str | None = _doc("where everything goes (default: runs/<recipe>-<timestamp>)", default=None)
@@ -403,19 +405,6 @@ def batch_devices(axes: dict[str, int]) -> int:
     return math.prod(axes.get(axis, 1) for axis in BATCH_AXES)
 
 
-RECIPES: dict[str, dict[str, Any]] = {
-    # Pretrained MiniLM classifying BBC News topics. 128 tokens hold an article's opening,
-    # which names its topic. One epoch (106 steps, ~1.8 s each on 2 CPU cores) reached 0.97
-    # held-out accuracy; a second one would not fit in 10 minutes with compilation and evaluation.
-    "bbc-topics": dict(model="minilm", dataset="bbc-news", task="classification", max_length=128, batch_size=16,
-                       lr=1e-4, epochs=1, eval_fraction=0.2, log_steps=10, save_steps=50),
-    # SmolLM2-135M (Llama, GQA 9:3) as a causal LM on whole State of the Union speeches,
-    # packed into rows of 2048 tokens. 32 held-out rows keep the perplexity check short on a CPU.
-    "sotu-lm": dict(model="smollm2-135m", dataset="sotu", task="lm", max_length=2048, batch_size=1, grad_accum=8,
-                    lr=3e-5, epochs=1, eval_fraction=0.1, eval_batches=32, log_steps=1, save_steps=20),
-}
-
-
 # ---------------------------------------------------------------------------
 # Values from flags and files
 
@@ -497,6 +486,11 @@ def read_config_file(path: str) -> dict[str, Any]:
                               + ", ".join(n.replace("_", "-") for n in FIELDS))
         values[name] = _from_file_value(name, value, path)
     return values
+
+
+# Recipes, each a config file in train/recipes (its name the file's): read like --config FILE.
+RECIPES: dict[str, dict[str, Any]] = {name: read_config_file(os.path.join(RECIPE_DIR, f"{name}.toml"))
+                                      for name in RECIPE_NAMES}
 
 
 class _Parser(argparse.ArgumentParser):

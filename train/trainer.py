@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import itertools
 import logging
@@ -32,11 +31,11 @@ import time
 import numpy as np
 import torch
 
-from . import checkpoint, metrics, tasks
-from .config import CONFIG_FILE, ConfigError, RunConfig, mesh_axes, resume_changes, save_config, saved_config
+from . import build, checkpoint, metrics
+from .config import CONFIG_FILE, ConfigError, RunConfig, resume_changes, save_config, saved_config
 from .guards import CompileWatch, MemoryWatch, TracingTimer, peak_host_rss
 from .lock import LockedError, RunLock
-from .parallel import Spmd, launched_per_chip, resolve_mesh
+from .parallel import Spmd
 
 log = logging.getLogger("train")
 
@@ -159,44 +158,16 @@ class Trainer:
 
     def _build(self, config: RunConfig, stop_at_step: int | None) -> None:
         import datasets
-        import torch_xla
         import transformers
-
-        from . import data, models
 
         # Progress bars of dataset maps and weight loading would clutter logs; ours shows progress.
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
-
         if config.run.resume and config.run.output_dir is None:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
-        # Before anything touches the device.
-        mesh, self.mesh_note = resolve_mesh(config.parallel.mesh, config.data.batch_size)
-        # Saved with the mesh decided, so --resume continues on the same one.
-        self.config = config = dataclasses.replace(config.with_output_dir(),
-                                                   parallel=dataclasses.replace(config.parallel, mesh=mesh))
-        self.spmd: Spmd | None = None
-        self.accelerator = None
-        if mesh is None and launched_per_chip():
-            # accelerate launch --tpu: one process per chip; accelerate gives the process rank, world
-            # size and the gradient all-reduce in the optimizer step (see docs/training.md).
-            from accelerate import Accelerator
-
-            self.accelerator = Accelerator()
-            self.device = self.accelerator.device
-            self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
-            self.is_main = self.accelerator.is_main_process  # the one process that writes files
-        elif mesh is None:
-            # One device, even on a host with several: not accelerate's Accelerator, which replicates
-            # over every local device and would wait in its gradient all-reduce for the others.
-            self.device = torch_xla.device()
-            self.rank, self.world, self.is_main = 0, 1, True
-        else:
-            # SPMD: one process per host drives all devices, GSPMD reduces the gradients (train/parallel.py).
-            self.spmd = Spmd(mesh_axes(mesh), balanced=config.parallel.balance_context)  # before the device is used
-            self.device = self.spmd.device
-            self.rank, self.world = 0, 1  # every host walks every global batch, reading its own rows
-            self.is_main = self.spmd.host == 0
+        config, where = build.placement(config)  # before anything touches the device
+        self.config = config
+        vars(self).update(vars(where))  # self.spmd, self.device, self.is_main, ...: see build.Placement
         self.checkpointer = checkpoint.Checkpointer(config.run.output_dir, every=config.checkpoint.save_steps,
                                                     keep=config.checkpoint.keep_checkpoints, writer=self.is_main,
                                                     sharded=self.spmd is not None)
@@ -208,59 +179,20 @@ class Trainer:
         self._signal: int | None = None
         seed_everything(config.run.seed, self.device)
 
-        # --- data and model: every user input is checked here, before anything is written
-        splits = data.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
-                                  label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
-                                  seed=config.run.seed)
-        self.task = task = tasks.get(config.run.task)
-        self.label_names = task.label_names(splits)
-        self.model, self.tokenizer = models.load_model(
-            config.model.name, task=config.run.task, num_labels=len(self.label_names) if self.label_names else None,
-            attn=config.model.attn, backend=config.model.backend, dropout=config.model.dropout,
-            label_names=self.label_names, grad_checkpointing=config.model.grad_checkpointing)
-        limit = models.max_positions(self.model.config)
-        if limit is not None and config.data.max_length > limit:
-            raise ConfigError(f"--max-length: expected at most {limit} (the position limit of {config.model.name}), "
-                              f"got {config.data.max_length}")
-        tokenized = task.tokenize(splits, self.tokenizer, config.data.max_length)
-        host, hosts = self.spmd.part if self.spmd else (0, 1)
-        # The task's batch lengths: packed rows of exactly max_length, or documents padded to a bucket.
-        loader = dict(batch_size=config.data.batch_size, buckets=task.lengths(config.data.max_length),
-                      pad_id=self.tokenizer.pad_token_id, seed=config.run.seed, host=host, hosts=hosts,
-                      balance=config.parallel.context if config.parallel.balance_context else None)
-        self.train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
-        # --eval-batches: a fixed sample of that many batches' rows, stratified by label (data.eval_subset).
-        evaluated = None if config.data.eval_batches is None else config.data.eval_batches * config.data.batch_size
-        self.eval_loader = data.BatchLoader(data.eval_subset(tokenized["eval"], evaluated, config.run.seed),
-                                            shuffle=False, drop_last=False, **loader)
-        if len(self.train_loader) == 0:
-            raise ConfigError(f"--batch-size: {config.data.batch_size} is more than the {len(tokenized['train'])} "
-                              "training rows: no full batch")
-        # Each process takes every world-th batch; an optimizer step uses grad_accum of them per process.
-        steps_per_epoch = len(self.train_loader) // (config.optimizer.grad_accum * self.world)
-        self.total_steps = config.optimizer.epochs * steps_per_epoch
-        if config.optimizer.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.optimizer.max_steps)
-        if self.total_steps == 0:
-            raise ConfigError(f"--grad-accum: {config.optimizer.grad_accum} micro-batches per step (times {self.world} "
-                              f"processes) is more than the {len(self.train_loader)} batches of an epoch")
-
-        # --- device, optimizer, schedule
-        # Weight decay is applied by _optimizer_step itself (see there), so AdamW gets 0.
-        adamw = functools.partial(torch.optim.AdamW, lr=config.optimizer.lr, weight_decay=0.0)
-        # The model goes to the device (sharded under a mesh) before the optimizer takes its parameters:
-        # moving them replaces them.
-        if self.accelerator is not None:
-            # Moves the model to the device; the optimizer then all-reduces gradients across processes.
-            self.model, self.optimizer = self.accelerator.prepare(self.model, adamw(self.model.parameters()))
-        else:
-            self.model = self.spmd.shard_model(self.model) if self.spmd else self.model.to(self.device)
-            self.optimizer = adamw(self.model.parameters())
+        # Data and model: every user input is checked here, before anything is written.
+        vars(self).update(vars(build.model_and_data(config, where)))  # self.task, self.model, self.train_loader, ...
+        self.total_steps = build.total_steps(config, len(self.train_loader), self.world)
+        self.model, self.optimizer = build.placed_model(self.model, config, where)
         warmup_steps = int(config.optimizer.warmup * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
             step, warmup_steps=warmup_steps, total_steps=self.total_steps, schedule=config.optimizer.lr_schedule))
         self.position = Position()
+        self._prepare_run()
 
+    def _prepare_run(self) -> None:
+        """The watches, the first zeroed gradients, then the output folder: a resume's state loaded, the
+        configuration saved. Only after every check of _build passed."""
+        config = self.config
         self.compiles = CompileWatch()
         self.tracing = TracingTimer()
         # Gradients exist from the start, so every micro-batch is the same graph (no first-step

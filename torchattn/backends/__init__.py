@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autograd, devices, kernel_calls, once, spmd
+from .. import autograd, devices, kernel_calls, once, sharding
 from ..backend import Backend
 from ..kernels import vmem
 from ..request import Request
@@ -40,7 +40,7 @@ def preference(request: Request) -> tuple[str, ...]:
     """The backends ``auto`` tries for ``request``, best first: the device kind's, and of those only the ones
     that run per device when the call is sequence-sharded (there the others are no choice, not a fallback)."""
     order = _PREFERENCE[devices.kind(request.device)]
-    if spmd.sequence_sharded(request):
+    if sharding.sequence_sharded(request):
         order = tuple(name for name in order if BACKENDS[name].per_device) or order
     return order
 
@@ -48,8 +48,8 @@ def preference(request: Request) -> tuple[str, ...]:
 def choose(request: Request, backend: str = "auto") -> Choice:
     if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
         raise ValueError(f"backend: expected 'auto' or one of {sorted(BACKENDS)}, got {backend!r}")
-    reasons = {name: BACKENDS[name].unavailable(request) for name in BACKENDS}
-    if spmd.sequence_sharded(request):
+    reasons = {name: BACKENDS[name].refusal(request) for name in BACKENDS}
+    if sharding.sequence_sharded(request):
         for name in BACKENDS:
             if reasons[name] is None and not BACKENDS[name].per_device:
                 reasons[name] = ("it runs on the global tensors, so a sequence-sharded call (torchattn.sharded("

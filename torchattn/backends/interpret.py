@@ -11,6 +11,6 @@ import functools
 from .. import kernel_calls
 from ..backend import Backend
 
-BACKEND = Backend("interpret", kernel_calls.unavailable,
+BACKEND = Backend("interpret", kernel_calls.unavailable, kernel_calls.FEATURES,
                   forward=functools.partial(kernel_calls.forward, interpret=True),
                   backward=functools.partial(kernel_calls.backward, interpret=True), per_device=True)

@@ -23,7 +23,7 @@ def unavailable(request: Request) -> str | None:
 
 
 # Block sizes too large for the chip are the caller's to fix: refused (vmem_checked), no fallback.
-BACKEND = Backend("pallas", unavailable,
+BACKEND = Backend("pallas", unavailable, kernel_calls.FEATURES,
                   forward=functools.partial(kernel_calls.forward, interpret=False),
                   backward=functools.partial(kernel_calls.backward, interpret=False), per_device=True,
                   vmem_checked=True)

@@ -10,6 +10,9 @@ from ..reference import attention_reference
 from ..request import Request
 
 
+FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "return_lse", "segment_ids", "bias"})
+
+
 def run(request: Request):
     o = request.options
     out, lse = attention_reference(
@@ -19,4 +22,4 @@ def run(request: Request):
     return out, (lse if request.return_lse else None)
 
 
-BACKEND = Backend("reference", lambda request: None, dense=run)
+BACKEND = Backend("reference", lambda request: None, FEATURES, dense=run)

@@ -27,15 +27,14 @@ from ..request import Request
 def unavailable(request: Request) -> str | None:
     if request.device.type == "xla":
         return "XLA tensors are served by pallas/xla/interpret"
-    o = request.options
-    if o.dropout_p > 0.0:
-        return ("dropout_p > 0: SDPA's dropout draws from torch's RNG, not torchattn's seeded mask, "
-                "so the same seed would not give the same mask")
-    if request.return_lse:
-        return "return_lse=True: SDPA does not return the log-sum-exp"
-    if o.softcap is not None:
-        return "softcap: SDPA has no logit soft-capping"
     return None
+
+
+FEATURES = frozenset({"scale", "causal", "window", "segment_ids", "bias"})
+REFUSALS = {"dropout_p": "dropout_p > 0: SDPA's dropout draws from torch's RNG, not torchattn's seeded mask, "
+                         "so the same seed would not give the same mask",
+            "return_lse": "return_lse=True: SDPA does not return the log-sum-exp",
+            "softcap": "softcap: SDPA has no logit soft-capping"}
 
 
 def run(request: Request):
@@ -73,4 +72,4 @@ def _cast_bias(request: Request):
     return None if request.bias is None else request.bias.to(request.dtype)
 
 
-BACKEND = Backend("sdpa", unavailable, dense=run)
+BACKEND = Backend("sdpa", unavailable, FEATURES, REFUSALS, dense=run)

@@ -18,4 +18,5 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-BACKEND = Backend("xla", unavailable, forward=torch_blockwise.forward, backward=torch_blockwise.backward)
+BACKEND = Backend("xla", unavailable, torch_blockwise.FEATURES, forward=torch_blockwise.forward,
+                  backward=torch_blockwise.backward)

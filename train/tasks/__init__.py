@@ -22,7 +22,7 @@ branches on the task's name:
     HEADLINE: tuple[str, ...]                       the rows python -m train prints again last
     plot_eval(axis, eval_records)                   its metrics on the loss plot (loss.png)
 
-A new task is a new module here plus a recipe (train/config.py). The modules are imported only when
+A new task is a new module here plus a recipe (train/recipes/). The modules are imported only when
 a run uses them: parsing flags needs their names, not torch or transformers.
 """
 

@@ -22,7 +22,9 @@ import tokenizers
 import torch
 import transformers
 
-from train.data import BatchLoader, DataError, load_splits
+from train.errors import DataError
+from train.splits import load_splits
+from train.tasks import classification, lm
 from train.tasks.classification import length_buckets
 from train.tasks.classification import tokenize as tokenize_classification
 from train.tasks.lm import tokenize as tokenize_lm
@@ -321,7 +323,7 @@ def test_bad_task_fraction_and_file_type(tmp_path):
 
 def test_hub_id_offline_says_so():
     # A subprocess: huggingface_hub reads HF_HUB_OFFLINE when it is imported.
-    code = ("from train.data import load_splits, DataError\n"
+    code = ("from train.splits import load_splits, DataError\n"
             "try:\n"
             "    load_splits('someone/some-data', task='lm', text_column=None, label_column=None,"
             " eval_fraction=0.1, seed=0)\n"
@@ -411,8 +413,7 @@ def classification_rows(n: int, longest: int) -> datasets.Dataset:
 def test_batches_are_deterministic_per_seed_epoch_and_start():
     rows = classification_rows(45, 200)
     make = dict(batch_size=8, buckets=(64, 128, 256), pad_id=0, shuffle=True, drop_last=False)
-    loader, twin, other = BatchLoader(rows, seed=7, **make), BatchLoader(rows, seed=7, **make), BatchLoader(
-        rows, seed=8, **make)
+    loader, twin, other = (classification.batches(rows, seed=seed, **make) for seed in (7, 7, 8))
     first = list(loader.epoch(2))
     assert len(first) == len(loader) == 6
     for a, b in zip(first, twin.epoch(2)):
@@ -429,7 +430,8 @@ def test_batches_are_deterministic_per_seed_epoch_and_start():
 def test_every_row_once_per_epoch_in_fixed_shapes_and_the_smallest_bucket():
     rows = classification_rows(45, 200)
     buckets = (64, 128, 256)
-    loader = BatchLoader(rows, batch_size=8, buckets=buckets, pad_id=0, shuffle=True, seed=1, drop_last=False)
+    loader = classification.batches(rows, batch_size=8, buckets=buckets, pad_id=0, shuffle=True, seed=1,
+                                    drop_last=False)
     seen = []
     for batch in loader.epoch(0):
         ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
@@ -444,13 +446,15 @@ def test_every_row_once_per_epoch_in_fixed_shapes_and_the_smallest_bucket():
             else:
                 seen.append((tuple(row[:length].tolist()), int(label)))
     assert sorted(seen) == sorted(zip(map(tuple, list(rows["input_ids"])), list(rows["label"])))
-    assert len(BatchLoader(rows, batch_size=8, buckets=buckets, pad_id=0, shuffle=True, seed=1, drop_last=True)) == 5
+    assert len(classification.batches(rows, batch_size=8, buckets=buckets, pad_id=0, shuffle=True, seed=1,
+                                      drop_last=True)) == 5
 
 
 def test_each_batch_takes_the_smallest_bucket_that_holds_it():
     lengths = [10] * 8 + [64] * 8 + [65] * 7 + [200] + [3]
     rows = datasets.Dataset.from_dict({"input_ids": [[7] * k for k in lengths], "label": [0] * len(lengths)})
-    loader = BatchLoader(rows, batch_size=8, buckets=(64, 128, 256), pad_id=0, shuffle=False, seed=0, drop_last=False)
+    loader = classification.batches(rows, batch_size=8, buckets=(64, 128, 256), pad_id=0, shuffle=False, seed=0,
+                                    drop_last=False)
     assert [tuple(b["input_ids"].shape) for b in loader.epoch(0)] == [(8, 64), (8, 64), (8, 256), (8, 64)]
 
 
@@ -458,8 +462,8 @@ def test_unshuffled_order_and_lm_batches():
     tokenizer = word_tokenizer(["a", "b", "c"])
     splits = datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b c a b", "c c", "b a"] * 5})})
     packed = tokenize_lm(splits, tokenizer, max_length=8)["train"]
-    loader = BatchLoader(packed, batch_size=4, buckets=length_buckets(8, smallest=4), pad_id=0, shuffle=False,
-                         seed=0, drop_last=False)
+    loader = lm.batches(packed, batch_size=4, buckets=length_buckets(8, smallest=4), pad_id=0, shuffle=False,
+                        seed=0, drop_last=False)
     batches = list(loader.epoch(0))
     rows = np.array(list(packed["input_ids"]))
     assert len(batches) == -(-len(rows) // 4)
@@ -474,9 +478,10 @@ def test_unshuffled_order_and_lm_batches():
 def test_loader_errors_name_the_argument():
     rows = classification_rows(5, 100)
     with pytest.raises(ValueError, match=r"batch_size: expected an int >= 1, got 0"):
-        BatchLoader(rows, batch_size=0, buckets=(128,), pad_id=0, shuffle=False, seed=0, drop_last=False)
+        classification.batches(rows, batch_size=0, buckets=(128,), pad_id=0, shuffle=False, seed=0, drop_last=False)
     with pytest.raises(ValueError, match=r"buckets: the longest row has \d+ tokens, more than the largest bucket 1"):
-        BatchLoader(rows, batch_size=2, buckets=(1,), pad_id=0, shuffle=False, seed=0, drop_last=False)
-    loader = BatchLoader(rows, batch_size=2, buckets=(128,), pad_id=0, shuffle=False, seed=0, drop_last=False)
+        classification.batches(rows, batch_size=2, buckets=(1,), pad_id=0, shuffle=False, seed=0, drop_last=False)
+    loader = classification.batches(rows, batch_size=2, buckets=(128,), pad_id=0, shuffle=False, seed=0,
+                                    drop_last=False)
     with pytest.raises(ValueError, match=r"start: expected an int in \[0, 3\], got 4"):
         next(loader.epoch(0, start=4))

@@ -1,4 +1,4 @@
-"""--eval-batches: which held-out rows a limited evaluation reads (train/data.py's eval_subset, the
+"""--eval-batches: which held-out rows a limited evaluation reads (the tasks' eval_subset, the
 trainer's eval loader). The held-out split is sorted by label, so a prefix would be one label."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import pytest
 import train_tiny
 
 from train.config import parse_args
-from train.data import eval_subset
+from train.tasks.classification import eval_subset
+from train.tasks.lm import eval_subset as lm_eval_subset
 from train.tasks import classification as classification_module
 from train.tasks.classification import classification_scores
 from train.trainer import Trainer
@@ -44,10 +45,10 @@ def test_subset_ties_go_to_the_lower_label_and_every_row_when_it_fits():
 
 def test_subset_of_unlabelled_rows_is_a_seeded_sample():
     dataset = datasets.Dataset.from_dict({"input_ids": [[i, i] for i in range(10)]})  # packed lm rows
-    samples = {s: [ids[0] for ids in eval_subset(dataset, 4, seed=s)["input_ids"]] for s in range(5)}
+    samples = {s: [ids[0] for ids in lm_eval_subset(dataset, 4, seed=s)["input_ids"]] for s in range(5)}
     assert all(len(set(rows)) == 4 and rows == sorted(rows) for rows in samples.values()), samples
     assert len({tuple(rows) for rows in samples.values()}) > 1, "the seed draws the rows"
-    assert [ids[0] for ids in eval_subset(dataset, 4, seed=3)["input_ids"]] == samples[3]
+    assert [ids[0] for ids in lm_eval_subset(dataset, 4, seed=3)["input_ids"]] == samples[3]
 
 
 @pytest.mark.parametrize("eval_batches, expected", [(1, {0: 2, 1: 2, 2: 2}), (None, {0: 4, 1: 4, 2: 4})])

@@ -170,7 +170,7 @@ def test_final_classification_metrics_match_a_count_of_the_saved_model(classific
 
 
 def test_final_perplexity_matches_a_count_of_the_saved_model(lm_run, docs_csv):
-    from train.data import load_splits
+    from train.splits import load_splits
     from train.tasks.lm import tokenize as tokenize_lm
 
     code, _, out = lm_run

@@ -27,11 +27,11 @@ import transformers
 import train_tiny
 from torchattn import balanced_order
 from train.__main__ import main
-from train.data import BatchLoader, host_rows
+from train.batches import host_rows
 from train.metrics import MetricsFile
 from train.packing import IGNORE_INDEX
 from train.parallel import default_mesh, parameter_spec
-from train.tasks import lm
+from train.tasks import classification, lm
 from train.trainer import model_outputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,13 +89,13 @@ def _lm_rows() -> datasets.Dataset:
                                        "labels": rows.tolist()})
 
 
-@pytest.mark.parametrize("rows", [_classification_rows, _lm_rows])
+@pytest.mark.parametrize("rows, task", [(_classification_rows, classification), (_lm_rows, lm)])
 @pytest.mark.parametrize("drop_last", [True, False])
-def test_host_parts_put_together_are_the_global_batch(rows, drop_last):
+def test_host_parts_put_together_are_the_global_batch(rows, task, drop_last):
     dataset = rows()
     loader = dict(batch_size=4, buckets=(64, 128), pad_id=0, shuffle=True, seed=3, drop_last=drop_last)
-    whole = list(BatchLoader(dataset, **loader).epoch(1))
-    parts = [list(BatchLoader(dataset, host=host, hosts=2, **loader).epoch(1)) for host in range(2)]
+    whole = list(task.batches(dataset, **loader).epoch(1))
+    parts = [list(task.batches(dataset, host=host, hosts=2, **loader).epoch(1)) for host in range(2)]
     assert len(parts[0]) == len(parts[1]) == len(whole)
     for index, batch in enumerate(whole):
         for name, tensor in batch.items():
@@ -106,8 +106,8 @@ def test_host_parts_put_together_are_the_global_batch(rows, drop_last):
 
 
 def test_a_host_pads_its_rows_to_the_global_batchs_length_bucket():
-    loader = BatchLoader(_classification_rows(), batch_size=10, buckets=(64, 128), pad_id=0, shuffle=False, seed=0,
-                         drop_last=True, host=0, hosts=2)
+    loader = classification.batches(_classification_rows(), batch_size=10, buckets=(64, 128), pad_id=0, shuffle=False,
+                                    seed=0, drop_last=True, host=0, hosts=2)
     (batch,) = loader.epoch(0)
     assert batch["input_ids"].shape == (5, 128), "row 7 (99 tokens, host 1's) sets the length of host 0's part too"
 
@@ -134,8 +134,8 @@ def _packed_lm_rows(count: int, length: int, seed: int) -> datasets.Dataset:
 def test_balanced_batches_are_the_natural_ones_shifted_then_reordered():
     dataset = _packed_lm_rows(6, 8, seed=11)
     loader = dict(batch_size=2, buckets=(8,), pad_id=0, shuffle=True, seed=4, drop_last=True)
-    natural = list(BatchLoader(dataset, **loader).epoch(1))
-    balanced = list(BatchLoader(dataset, balance=2, **loader).epoch(1))
+    natural = list(lm.batches(dataset, **loader).epoch(1))
+    balanced = list(lm.batches(dataset, balance=2, **loader).epoch(1))
     assert len(balanced) == len(natural) == 3
     for plain, reordered in zip(natural, balanced):
         assert sorted(reordered) == ["input_ids", "position_ids", "shift_labels"]
@@ -150,12 +150,12 @@ def test_balanced_batches_are_the_natural_ones_shifted_then_reordered():
 
 def test_balance_refuses_rows_it_cannot_reorder():
     with pytest.raises(ValueError) as error:
-        BatchLoader(_classification_rows(), batch_size=2, buckets=(64, 128), pad_id=0, shuffle=False, seed=0,
-                    drop_last=True, balance=2)
+        classification.batches(_classification_rows(), batch_size=2, buckets=(64, 128), pad_id=0, shuffle=False,
+                               seed=0, drop_last=True, balance=2)
     assert str(error.value) == "balance: expected None for classification rows (only LM rows are reordered), got 2"
     with pytest.raises(ValueError, match="expected a multiple of 6, got 8"):
-        BatchLoader(_lm_rows(), batch_size=2, buckets=(8,), pad_id=0, shuffle=False, seed=0, drop_last=True,
-                    balance=3)
+        lm.batches(_lm_rows(), batch_size=2, buckets=(8,), pad_id=0, shuffle=False, seed=0, drop_last=True,
+                   balance=3)
 
 
 def test_a_balanced_batch_has_the_natural_loss_and_token_count():
@@ -168,8 +168,8 @@ def test_a_balanced_batch_has_the_natural_loss_and_token_count():
         initializer_range=1.0))
     dataset = _packed_lm_rows(4, 16, seed=12)
     loader = dict(batch_size=4, buckets=(16,), pad_id=0, shuffle=False, seed=0, drop_last=True)
-    (natural,) = BatchLoader(dataset, **loader).epoch(0)
-    (balanced,) = BatchLoader(dataset, balance=2, **loader).epoch(0)
+    (natural,) = lm.batches(dataset, **loader).epoch(0)
+    (balanced,) = lm.batches(dataset, balance=2, **loader).epoch(0)
     with torch.no_grad():
         expected, got = model_outputs(model, natural), model_outputs(model, balanced)
         order = balanced_order(16, 2)

@@ -18,7 +18,7 @@ from train.trainer import Trainer
 
 DECLARATIONS = ("LABELED", "CAUSAL", "tokenize", "lengths", "label_names", "check_head", "MODEL_CLASS", "configure",
                 "synthetic_batch", "EVAL_BEFORE_TRAINING", "Evaluation", "summary", "result_rows", "HEADLINE",
-                "plot_eval")
+                "plot_eval", "targets", "split_indices", "empty_eval_reason", "to_datasets", "eval_subset", "batches")
 TRAIN = pathlib.Path(__file__).resolve().parent.parent / "train"
 
 

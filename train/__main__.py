@@ -47,7 +47,7 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         return _bad_input(error)
 
     # torch_xla picks the device: a TPU when libtpu finds one, else XLA:CPU.
-    from .data import DataError
+    from .errors import DataError
     from .models import ModelError
 
     if config.compile_only.topology is not None:  # plan a TPU job: HBM per chip from the TPU compiler, no training

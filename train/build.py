@@ -67,19 +67,19 @@ class ModelAndData:
     label_names: list[str] | None
     model: torch.nn.Module
     tokenizer: Any
-    train_loader: Any  # data.BatchLoader
+    train_loader: Any  # batches.BatchLoader
     eval_loader: Any
 
 
 def model_and_data(config: RunConfig, where: Placement) -> ModelAndData:
     """The documents split, the model loaded for the task, and the batches cut from the tokenized splits."""
-    from . import data, models
+    from . import models, splits
 
-    splits = data.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
-                              label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
-                              seed=config.run.seed)
+    documents = splits.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
+                                   label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
+                                   seed=config.run.seed)
     task = tasks.get(config.run.task)
-    label_names = task.label_names(splits)
+    label_names = task.label_names(documents)
     model, tokenizer = models.load_model(
         config.model.name, task=config.run.task, num_labels=len(label_names) if label_names else None,
         attn=config.model.attn, backend=config.model.backend, dropout=config.model.dropout,
@@ -88,17 +88,17 @@ def model_and_data(config: RunConfig, where: Placement) -> ModelAndData:
     if limit is not None and config.data.max_length > limit:
         raise ConfigError(f"--max-length: expected at most {limit} (the position limit of {config.model.name}), "
                           f"got {config.data.max_length}")
-    tokenized = task.tokenize(splits, tokenizer, config.data.max_length)
+    tokenized = task.tokenize(documents, tokenizer, config.data.max_length)
     host, hosts = where.spmd.part if where.spmd else (0, 1)
     # The task's batch lengths: packed rows of exactly max_length, or documents padded to a bucket.
     loader = dict(batch_size=config.data.batch_size, buckets=task.lengths(config.data.max_length),
                   pad_id=tokenizer.pad_token_id, seed=config.run.seed, host=host, hosts=hosts,
                   balance=config.parallel.context if config.parallel.balance_context else None)
-    train_loader = data.BatchLoader(tokenized["train"], shuffle=True, drop_last=True, **loader)
-    # --eval-batches: a fixed sample of that many batches' rows, stratified by label (data.eval_subset).
+    train_loader = task.batches(tokenized["train"], shuffle=True, drop_last=True, **loader)
+    # --eval-batches: a fixed sample of that many batches' rows (the task's: classification stratifies by label).
     evaluated = None if config.data.eval_batches is None else config.data.eval_batches * config.data.batch_size
-    eval_loader = data.BatchLoader(data.eval_subset(tokenized["eval"], evaluated, config.run.seed),
-                                   shuffle=False, drop_last=False, **loader)
+    eval_loader = task.batches(task.eval_subset(tokenized["eval"], evaluated, config.run.seed),
+                               shuffle=False, drop_last=False, **loader)
     if len(train_loader) == 0:
         raise ConfigError(f"--batch-size: {config.data.batch_size} is more than the {len(tokenized['train'])} "
                           "training rows: no full batch")

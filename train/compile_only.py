@@ -407,7 +407,7 @@ def run(config: RunConfig) -> int:
 def _sweep(config: RunConfig) -> int:
     from torchattn import devices
 
-    from . import data, models
+    from . import models, splits
 
     target = resolve_target(config.compile_only.topology, config.parallel.mesh if config.parallel.explicit else None)
     check_split(config)
@@ -418,10 +418,10 @@ def _sweep(config: RunConfig) -> int:
     attns = [a.strip() for a in config.compile_only.attn.split(",")] if config.compile_only.attn else list(ATTNS)
     num_labels = None
     if tasks.get(config.run.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)
-        splits = data.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
-                                  label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
-                                  seed=config.run.seed)
-        num_labels = len(tasks.get(config.run.task).label_names(splits))
+        documents = splits.load_splits(config.data.dataset, task=config.run.task,
+                                       text_column=config.data.text_column, label_column=config.data.label_column,
+                                       eval_fraction=config.data.eval_fraction, seed=config.run.seed)
+        num_labels = len(tasks.get(config.run.task).label_names(documents))
     for attn in attns:
         models.check_run_model(task=config.run.task, num_labels=num_labels, attn=attn,
                                backend=config.model.backend if attn == "torchattn" else "auto",

@@ -104,7 +104,7 @@ class Spmd:
         text = ",".join(f"{axis}={size}" for axis, size in axes.items())
         self.axes = axes
         # Devices in id order, laid out row-major: each host's devices are consecutive ids, so its
-        # part of the batch is a consecutive block of rows (data.host_rows).
+        # part of the batch is a consecutive block of rows (batches.host_rows).
         self.mesh = xs.Mesh(np.arange(devices), tuple(axes.values()), tuple(axes))
         self.device = torch_xla.device()
         self.host, hosts = xr.process_index(), xr.process_count()
@@ -152,7 +152,7 @@ class Spmd:
                        ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
         """(CPU batch, device batch) pairs: every tensor split on its first dimension over the batch
         axes, and on its second (the sequence of input_ids, attention_mask, position_ids and LM labels)
-        over context. Each host passes its part of the rows (``part``, data.host_rows); torch_xla's
+        over context. Each host passes its part of the rows (``part``, batches.host_rows); torch_xla's
         parallel loader sends them to the host's devices in a background thread and assembles the global
         batch."""
         import torch_xla.distributed.parallel_loader as pl

@@ -6,10 +6,16 @@
 A task module declares everything the rest of the trainer asks of a task, and nothing outside it
 branches on the task's name:
 
-    LABELED: bool                                   reads --label-column; the held-out split is stratified by it
+    LABELED: bool                                   reads --label-column
     CAUSAL: bool                                    its attention is causal (--balance-context applies)
+    targets(split, label_column, dataset)           each document's target (a label), or None (train/splits.py)
+    split_indices(n, targets, fraction, seed)       (train, eval) indices of the documents
+    empty_eval_reason(targets, fraction)            why that split held out none
+    to_datasets({name: (texts, targets)})           the 'train' and 'eval' DatasetDict with the task's columns
     tokenize(splits, tokenizer, max_length)         the tokenized splits the batches are cut from
     lengths(max_length) -> tuple[int, ...]          the padded lengths a batch may take
+    batches(rows, buckets, pad_id, balance, ...)    a batches.BatchLoader over them (its own Rows: the collate)
+    eval_subset(rows, n, seed)                      the held-out rows an evaluation limited to n reads
     label_names(splits) -> list[str] | None         the labels the model's head predicts
     check_head(num_labels, label_names)             ModelError for a head the task cannot build
     MODEL_CLASS                                     the transformers auto class of its model

@@ -3,12 +3,17 @@ macro-F1 on the held-out split."""
 
 from __future__ import annotations
 
+import collections
+import math
+
 import datasets
 import numpy as np
 import torch
 import transformers
 
-from ..errors import ModelError, check_max_length
+from .. import batches as batches_module
+from .. import data, splits
+from ..errors import DataError, ModelError, check_max_length
 from ..packing import IGNORE_INDEX
 
 LABELED = True
@@ -20,6 +25,73 @@ EVAL_BEFORE_TRAINING = False
 
 
 # --- data ------------------------------------------------------------------------------------------
+
+def targets(split: datasets.Dataset, label_column: str, dataset: str) -> list:
+    """Each document's label (a ClassLabel column's integers as its names); DataError for a missing one."""
+    labels = data.column(split, label_column, "--label-column", dataset)
+    feature = split.features[label_column]
+    if isinstance(feature, datasets.ClassLabel):
+        labels = [feature.names[v] for v in labels]
+    missing = sum(label is None for label in labels)
+    if missing:
+        raise DataError(f"--label-column: {missing} rows of {dataset!r} have no value in {label_column!r}")
+    return labels
+
+
+def _sort_key(value):
+    return (isinstance(value, str), value)  # numbers before strings; each group in its natural order
+
+
+def split_indices(n: int, labels: list, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) indices, stratified: each label's documents split by ``fraction`` with ``seed``."""
+    rng = np.random.default_rng(seed)
+    by_label = collections.defaultdict(list)
+    for i, label in enumerate(labels):
+        by_label[label].append(i)
+    train, held_out = [], []
+    for label in sorted(by_label, key=_sort_key):
+        indices = rng.permutation(by_label[label])
+        n_eval = splits.held_out_count(len(indices), fraction)
+        held_out += indices[:n_eval].tolist()
+        train += indices[n_eval:].tolist()
+    return sorted(train), sorted(held_out)
+
+
+def empty_eval_reason(labels: list, fraction: float) -> str:
+    """Why a stratified split held out no document, and the smallest --eval-fraction (in hundredths)
+    that holds out one, if any does."""
+    largest = max(collections.Counter(labels).values())
+    if largest < 2:
+        return ("the data set is too small: every label has one document, which training keeps, so none is "
+                "left to evaluate on; add documents or a held-out split")
+    hundredths = math.ceil(50 / largest)  # half a document of the largest label rounds up to one
+    while splits.held_out_count(largest, hundredths / 100) < 1:  # float rounding at the boundary
+        hundredths += 1
+    return (f"eval_fraction {fraction} of each label's documents rounds to none (the largest label has "
+            f"{largest}); --eval-fraction {hundredths / 100} or more holds out one")
+
+
+def to_datasets(split: dict[str, tuple[list[str], list]]) -> datasets.DatasetDict:
+    """Columns "text" and "label" (a ClassLabel of the training labels, sorted); DataError for a held-out
+    label training never sees."""
+    unseen = set(split["eval"][1]) - set(split["train"][1])
+    if unseen:
+        raise DataError(f"--label-column: evaluation labels not seen in training: "
+                        f"{', '.join(map(str, sorted(unseen, key=_sort_key)))}")
+    names = sorted(set(split["train"][1]), key=_sort_key)
+    index = {name: i for i, name in enumerate(names)}
+    features = datasets.Features({"text": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=[str(name) for name in names])})
+    return datasets.DatasetDict({
+        name: datasets.Dataset.from_dict({"text": t, "label": [index[label] for label in lab]}, features=features)
+        for name, (t, lab) in split.items()})
+
+
+def eval_subset(dataset: datasets.Dataset, rows: int | None, seed: int) -> datasets.Dataset:
+    """The held-out rows an evaluation limited to ``rows`` (--eval-batches times --batch-size) reads,
+    stratified by label (splits.sample): the held-out split is sorted by label, so a prefix would hold one."""
+    return splits.sample(dataset, rows, seed, np.asarray(dataset["label"]))
+
 
 def tokenize(splits: datasets.DatasetDict, tokenizer, max_length: int) -> datasets.DatasetDict:
     """Columns "input_ids" (list[int], truncated to max_length, with the tokenizer's special tokens)
@@ -51,8 +123,54 @@ def lengths(max_length: int) -> tuple[int, ...]:
     return length_buckets(max_length)
 
 
-def label_names(splits: datasets.DatasetDict) -> list[str]:
-    return splits["train"].features["label"].names
+def label_names(documents: datasets.DatasetDict) -> list[str]:
+    return documents["train"].features["label"].names
+
+
+class Rows:
+    """Tokenized documents (columns "input_ids", "label") as batches (train/batches.py): input_ids (B, L)
+    int64, attention_mask (B, L) int64, labels (B,) int64, with L the smallest bucket that holds the global
+    batch's longest row; padding rows (pad_id tokens, attention_mask all zero, labels -100) fill a short
+    last batch."""
+
+    def __init__(self, dataset: datasets.Dataset, *, buckets: tuple[int, ...], pad_id: int):
+        self.buckets, self.pad_id = batches_module.check_buckets(buckets), pad_id
+        columns = set(dataset.column_names)
+        if not {"input_ids", "label"} <= columns:
+            raise ValueError(f"dataset: expected columns input_ids and label, got {', '.join(sorted(columns))}")
+        self._input_ids = [np.asarray(ids, dtype=np.int64) for ids in dataset["input_ids"]]
+        self._labels = np.asarray(list(dataset["label"]), dtype=np.int64)
+        longest = max((len(ids) for ids in self._input_ids), default=0)
+        if longest > self.buckets[-1]:
+            raise ValueError(f"buckets: the longest row has {longest} tokens, more than the largest bucket "
+                             f"{self.buckets[-1]}; tokenize with max_length <= {self.buckets[-1]}")
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def batch(self, rows: np.ndarray, part: slice, size: int) -> dict[str, torch.Tensor]:
+        longest = max(len(self._input_ids[r]) for r in rows)  # over the global batch: one shape on every host
+        length = next(bucket for bucket in self.buckets if bucket >= longest)
+        input_ids = np.full((size, length), self.pad_id, dtype=np.int64)  # (B, L)
+        attention_mask = np.zeros((size, length), dtype=np.int64)        # (B, L)
+        labels = np.full(size, IGNORE_INDEX, dtype=np.int64)              # (B,)
+        for i, r in enumerate(rows[part]):  # fewer at a drop_last=False end: padding follows
+            ids = self._input_ids[r]
+            input_ids[i, :len(ids)] = ids
+            attention_mask[i, :len(ids)] = 1
+            labels[i] = self._labels[r]
+        return {"input_ids": torch.from_numpy(input_ids), "attention_mask": torch.from_numpy(attention_mask),
+                "labels": torch.from_numpy(labels)}
+
+
+def batches(dataset: datasets.Dataset, *, buckets: tuple[int, ...], pad_id: int, balance: int | None = None,
+            **loader) -> batches_module.BatchLoader:
+    """The batches of ``dataset`` (``loader``: batches.BatchLoader's batch_size, shuffle, seed, drop_last, host,
+    hosts). ``balance`` must be None: classification rows are not reordered (CAUSAL is False)."""
+    if balance is not None:
+        raise ValueError(f"balance: expected None for classification rows (only LM rows are reordered), "
+                         f"got {balance!r}")
+    return batches_module.BatchLoader(Rows(dataset, buckets=buckets, pad_id=pad_id), **loader)
 
 
 # --- model head ------------------------------------------------------------------------------------
@@ -74,7 +192,7 @@ def configure(config: transformers.PretrainedConfig, num_labels: int, label_name
 
 
 def synthetic_batch(rows: int, vocab_size: int, length: int) -> dict[str, torch.Tensor]:
-    """A batch with the trainer's columns and shapes (train/data.py's BatchLoader), random tokens."""
+    """A batch with the trainer's columns and shapes (its Rows' batches), random tokens."""
     input_ids = torch.randint(0, vocab_size, (rows, length))  # (B, L)
     return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids),
             "labels": torch.zeros(rows, dtype=torch.int64)}  # (B,)

@@ -6,9 +6,14 @@ from __future__ import annotations
 import math
 
 import datasets
+import numpy as np
 import torch
 import transformers
 
+from torchattn import balanced_order
+
+from .. import batches as batches_module
+from .. import context_order, splits
 from ..errors import DataError, ModelError, check_max_length
 from ..packing import IGNORE_INDEX, pack_documents
 
@@ -19,6 +24,30 @@ EVAL_BEFORE_TRAINING = True  # perplexity before training, to compare with after
 
 
 # --- data ------------------------------------------------------------------------------------------
+
+def targets(split: datasets.Dataset, label_column: str, dataset: str) -> None:
+    return None  # a document is its own target
+
+
+def split_indices(n: int, targets: None, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) indices: documents drawn with ``seed``, at least one held out."""
+    return splits.document_split(n, fraction, seed)
+
+
+def empty_eval_reason(targets: None, fraction: float) -> str:
+    return "the data set is too small"  # not reached: document_split holds out one of two or more
+
+
+def to_datasets(split: dict[str, tuple[list[str], None]]) -> datasets.DatasetDict:
+    """Column "text"."""
+    return datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": texts})
+                                 for name, (texts, _) in split.items()})
+
+
+def eval_subset(dataset: datasets.Dataset, rows: int | None, seed: int) -> datasets.Dataset:
+    """The held-out rows an evaluation limited to ``rows`` reads: a sample drawn with ``seed`` (splits.sample)."""
+    return splits.sample(dataset, rows, seed)
+
 
 def tokenize(splits: datasets.DatasetDict, tokenizer, max_length: int) -> datasets.DatasetDict:
     """Documents tokenized (without special tokens, an EOS token after each document) and packed into
@@ -44,8 +73,49 @@ def lengths(max_length: int) -> tuple[int, ...]:
     return (max_length,)
 
 
-def label_names(splits: datasets.DatasetDict) -> None:
+def label_names(documents: datasets.DatasetDict) -> None:
     return None
+
+
+class Rows:
+    """Packed rows (columns "input_ids", "position_ids", "labels", one length) as batches (train/batches.py):
+    each (B, L) int64, L the row length; padding rows (pad_id tokens, labels -100) fill a short last batch.
+    With ``balance`` (--balance-context: the context axis' device count) they come in the dual-chunk token
+    order with their labels shifted first (train/context_order.py): input_ids, position_ids, shift_labels."""
+
+    def __init__(self, dataset: datasets.Dataset, *, pad_id: int, balance: int | None = None):
+        columns = set(dataset.column_names)
+        if not {"input_ids", "position_ids", "labels"} <= columns:
+            raise ValueError(f"dataset: expected columns input_ids, position_ids and labels, got "
+                             f"{', '.join(sorted(columns))}")
+        self.pad_id = pad_id
+        numpy = dataset.with_format("numpy")
+        self._rows = {key: np.asarray(numpy[key], dtype=np.int64)  # (rows, row_length)
+                      for key in ("input_ids", "position_ids", "labels")}
+        # The token order of balanced batches (context_order), None: natural.
+        self._order = None if balance is None else balanced_order(self._rows["input_ids"].shape[1], balance)
+
+    def __len__(self) -> int:
+        return len(self._rows["input_ids"])
+
+    def batch(self, rows: np.ndarray, part: slice, size: int) -> dict[str, torch.Tensor]:
+        length = self._rows["input_ids"].shape[1]
+        rows = rows[part]
+        batch = {"input_ids": np.full((size, length), self.pad_id, dtype=np.int64),       # (B, L)
+                 "position_ids": np.broadcast_to(np.arange(length), (size, length)).copy(),  # (B, L)
+                 "labels": np.full((size, length), IGNORE_INDEX, dtype=np.int64)}           # (B, L)
+        for key, value in batch.items():
+            value[:len(rows)] = self._rows[key][rows]
+        tensors = {key: torch.from_numpy(value) for key, value in batch.items()}
+        return tensors if self._order is None else context_order.balanced(tensors, self._order)
+
+
+def batches(dataset: datasets.Dataset, *, buckets: tuple[int, ...], pad_id: int, balance: int | None = None,
+            **loader) -> batches_module.BatchLoader:
+    """The batches of ``dataset`` (``loader``: batches.BatchLoader's batch_size, shuffle, seed, drop_last, host,
+    hosts). ``buckets`` are checked, but packed rows have one length (``lengths``)."""
+    batches_module.check_buckets(buckets)
+    return batches_module.BatchLoader(Rows(dataset, pad_id=pad_id, balance=balance), **loader)
 
 
 # --- model head ------------------------------------------------------------------------------------

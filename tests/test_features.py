@@ -15,7 +15,7 @@ from torchattn.backend import Backend
 @pytest.fixture
 def new_feature(monkeypatch):
     """A feature every call uses, declared at runtime as a new static option would be."""
-    feature = features.Feature("sharpness", features.STATIC, lambda request: True, "a new option")
+    feature = features.Feature("sharpness", lambda request: True)
     monkeypatch.setattr(features, "FEATURES", [*features.FEATURES, feature])
     return feature
 

@@ -3,8 +3,6 @@
 Every backend names the features it serves (``Backend.features``). A call that uses a feature a backend
 does not name is refused by it, with the feature's name: a backend serves only what it declares (fail
 closed), so a feature added here is refused everywhere until a backend's math takes it and says so.
-``kind`` is "static" for an option of :class:`torchattn.request.Options`, else the shape role of the
-tensors it brings (torchattn/roles.py).
 """
 
 from __future__ import annotations
@@ -12,29 +10,24 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .roles import PAIRS, Q_ROWS
 from .request import Request
 
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    name: str  # flash_attention's argument (its first, for a feature of several)
-    kind: str  # "static", or the role of its tensors
+    name: str  # flash_attention's argument (its first, for a feature of several: segment_ids, dropout_p)
     used: Callable[[Request], bool]  # whether a validated call uses it
-    help: str
 
-
-STATIC = "static"
 
 FEATURES: list[Feature] = [
-    Feature("scale", STATIC, lambda r: True, "q k^T times scale (every call has one)"),
-    Feature("causal", STATIC, lambda r: r.options.causal, "bottom-right aligned causal mask"),
-    Feature("window", STATIC, lambda r: r.options.window is not None, "(left, right) band around the diagonal"),
-    Feature("dropout_p", STATIC, lambda r: r.options.dropout_p > 0, "seeded dropout of the probabilities"),
-    Feature("return_lse", STATIC, lambda r: r.return_lse, "the log-sum-exp per query row, returned"),
-    Feature("softcap", STATIC, lambda r: r.options.softcap is not None, "logits -> softcap * tanh(logits / softcap)"),
-    Feature("segment_ids", Q_ROWS, lambda r: r.segment_ids is not None, "per-token ids: queries see equal keys"),
-    Feature("bias", PAIRS, lambda r: r.bias is not None, "added to the logits, broadcast over (q, kv) pairs"),
+    Feature("scale", lambda r: True),  # every call has one
+    Feature("causal", lambda r: r.options.causal),
+    Feature("window", lambda r: r.options.window is not None),
+    Feature("dropout_p", lambda r: r.options.dropout_p > 0),
+    Feature("return_lse", lambda r: r.return_lse),
+    Feature("softcap", lambda r: r.options.softcap is not None),
+    Feature("segment_ids", lambda r: r.segment_ids is not None),
+    Feature("bias", lambda r: r.bias is not None),
 ]
 
 

@@ -22,8 +22,8 @@ is ``mxu_probe_shape``, which ``tests/test_aot_schedule.py`` compiles again on v
 the shape (v5e: 69.9 k at 512 x 1024 x 1024, 92.6 k at 4096 x 128 x 512): the loads of the
 MXU's weights take fewer bundles per MAC the more rows stream through them. ``clock_hz``, the
 bundle rate, is the rate at which that densest kernel runs at the public peak: then a kernel
-whose matmuls pack no denser reads at most the peak. (Calibrated on 512 x 1024 x 1024, as
-before, dq kernels with 1024-row tiles read 1.01-1.03 of the peak.) ``tensorcores`` per chip:
+whose matmuls pack no denser reads at most the peak (calibrated on the 512 x 1024 x 1024 matmul
+instead, dq kernels with 1024-row tiles read 1.01-1.03 of the peak). ``tensorcores`` per chip:
 v4's compile-only device is one TensorCore; v5p's is the chip, whose compiled loop runs half the
 parallel grid steps per core.
 """

@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 import torchattn
-from torchattn import once
+from torchattn import features, once
 
 from . import masks
 from .options import dropout_seed, options_for
@@ -23,8 +23,7 @@ _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                        sliding_window: int | None = None, softcap: float | None = None,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, sliding_window: int | None = None,
                         position_bias: torch.Tensor | None = None, **kwargs):
     """query: (batch, q_heads, q_len, head_dim); key, value: (batch, kv_heads, kv_len, head_dim).
 
@@ -69,11 +68,16 @@ def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     # The inputs are cast already; inside, the backends keep their own float32 accumulators.
     no_autocast = torch.autocast(autocast_device, enabled=False) if autocast_device else contextlib.nullcontext()
     with no_autocast:
-        out = torchattn.flash_attention(query, key, value, causal=causal, scale=scaling, window=window,
-                                        softcap=softcap, bias=bias, dropout_p=dropout,
+        out = torchattn.flash_attention(query, key, value, causal=causal, window=window, bias=bias, dropout_p=dropout,
                                         dropout_seed=dropout_seed(dropout), block_sizes=options.block_sizes,
-                                        backend=options.backend, **mask.kwargs())
+                                        backend=options.backend, **_passed_on(kwargs), **mask.kwargs())
     return out.transpose(1, 2).contiguous(), None
+
+
+def _passed_on(kwargs: dict) -> dict:
+    """The features transformers passes as torchattn takes them (``Feature.hf``: ``scaling`` as scale,
+    ``softcap``), from the kwargs it passed."""
+    return {feature.name: kwargs.get(feature.hf) for feature in features.FEATURES if feature.hf is not None}
 
 
 def compute_dtype(module, query, key, value) -> tuple[torch.dtype, str | None]:

@@ -14,4 +14,7 @@ export XLA_COMPILATION_CACHE_SIZE=${XLA_COMPILATION_CACHE_SIZE:-8}
 # Two pytest-xdist workers, each running whole modules (their fixtures run once): on 2 cores the suite
 # takes about half as long as in one process, since most of its time is single-threaded compiles and
 # tracing. TEST_WORKERS=0 runs it in this process. The summary at the end lists the slowest tests.
-exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@"
+# --max-worker-restart 0: a worker that crashes (a segfault) ends the run with the failure and the tests it did
+# not reach, instead of a replacement worker that loadfile scheduling leaves waiting forever
+# (pytest-dev/pytest-xdist#784: the last CI hung that way until its 90-minute limit).
+exec .venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --max-worker-restart 0 "$@"

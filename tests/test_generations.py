@@ -11,7 +11,7 @@ import torch
 
 import torchattn
 from torchattn import devices, generations, internals, once
-from torchattn.api import _validate
+from torchattn.api import validated
 from torchattn.block_sizes import BlockSizes
 from torchattn.generations import GiB
 
@@ -66,11 +66,8 @@ def test_unknown_generation_is_refused_naming_the_choices():
 
 def test_off_tpu_defaults_do_not_depend_on_a_generation(device):
     q = torch.randn(1, 2, 4096, 128, device=device)
-    assert _validate(q, q, q, *_DEFAULTS).options.block_sizes == BlockSizes(512, 512, 512, 512)
+    assert validated(q, q, q).options.block_sizes == BlockSizes(512, 512, 512, 512)
     assert devices.tpu_generation(device) is None
-
-
-_DEFAULTS = (False, None, None, None, None, None, None, 0.0, None, False, None)
 
 
 @pytest.fixture
@@ -89,7 +86,7 @@ def test_calls_on_a_tpu_take_its_generation_s_blocks_and_vmem_limit(tpu_of_kind,
     tpu_of_kind(name)
     q = torch.randn(1, 4, 4096, 128, device=device, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 2, 4096, 128, device=device, dtype=torch.bfloat16) for _ in range(2))
-    assert _validate(q, k, v, *_DEFAULTS).options.block_sizes == BlockSizes(*generations.get(name).blocks)
+    assert validated(q, k, v).options.block_sizes == BlockSizes(*generations.get(name).blocks)
 
     payloads = []
     real = internals.mosaic_payload

@@ -19,6 +19,7 @@ pytest.importorskip("torch_xla")
 pytest.importorskip("libtpu")
 
 import torch_xla.debug.metrics as met  # noqa: E402
+import train_tiny  # noqa: E402
 
 from train import compile_only  # noqa: E402
 from train.config import ConfigError  # noqa: E402
@@ -294,15 +295,14 @@ def test_a_signal_to_the_parent_alone_reaches_the_child_that_runs_the_mesh_sweep
                    "--compile-lengths", "128,256,512", "--compile-attn", "eager,torchattn",
                    "--output-dir", str(tmp_path / "run"))
     env = {k: v for k, v in os.environ.items() if k != "CPU_NUM_DEVICES"}
+    # One pipe for both streams: a process blocked writing to an unread stderr pipe would never print the cue.
     parent = subprocess.Popen([sys.executable, "-m", "train", *flags], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+                              stderr=subprocess.STDOUT, text=True)
     try:
-        for line in parent.stdout:  # the child's first line: it runs the sweep now
-            if line.startswith("compile-only:"):
-                break
+        train_tiny.read_until(parent, "compile-only:", timeout=300)  # the child's first line: it runs the sweep
         (child,) = psutil.Process(parent.pid).children()
         parent.send_signal(signum)
-        _, err = parent.communicate(timeout=300)
+        err, _ = parent.communicate(timeout=300)
     finally:
         parent.kill()
     gone, alive = psutil.wait_procs([child], timeout=30)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import train_tiny
 
 from train.__main__ import main
 
@@ -87,9 +88,7 @@ def test_a_second_run_in_the_same_folder_is_refused_while_the_first_runs(bert, d
     first = subprocess.Popen([sys.executable, "-m", "train", *flags], cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU"),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for line in first.stdout:
-            if line.startswith("step 1/"):
-                break
+        train_tiny.read_until(first, "step 1/", timeout=300)
         # One step each: a second run the lock wrongly let in ends at once with 0, and the test fails, not hangs.
         for argv in (flags + ["--max-steps", "1"], ["--output-dir", out, "--resume", "--max-steps", "1"]):
             assert main(argv) == 2

@@ -258,12 +258,12 @@ def test_classification_scores_against_hand_counts():
     assert scores == {"accuracy": 0.5, "macro_f1": pytest.approx((2 / 3 + 0) / 2)}
 
 
-def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):
+def test_bbc_topics_recipe_runs_a_few_steps(tmp_path):
     out = str(tmp_path / "bbc")
-    code = main(["--max-length", "64", "--max-steps", "3", "--log-steps", "1", "--eval-batches", "4",
-                 "--output-dir", out])
-    printed = capsys.readouterr().out
-    assert code == 0
+    done = train_tiny.run_train(["--max-length", "64", "--max-steps", "3", "--log-steps", "1", "--eval-batches", "4",
+                                 "--output-dir", out])
+    printed = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)
     assert (config["recipe"], config["model"], config["dataset"], config["attn"]) == (
@@ -275,12 +275,12 @@ def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_sotu_lm_recipe_runs_a_few_steps(tmp_path, capsys):
+def test_sotu_lm_recipe_runs_a_few_steps(tmp_path):
     out = str(tmp_path / "sotu")
-    code = main(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "2", "--grad-accum", "2",
-                 "--eval-batches", "2", "--output-dir", out])
-    printed = capsys.readouterr().out
-    assert code == 0
+    done = train_tiny.run_train(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "2", "--grad-accum",
+                                 "2", "--eval-batches", "2", "--output-dir", out])
+    printed = done.stdout
+    assert done.returncode == 0, done.stderr[-3000:]
     evals = [r for r in records(out) if r.get("eval")]
     assert [r["step"] for r in evals] == [0, 2]
     assert all(1 < r["perplexity"] < 1e4 for r in evals), evals

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import transformers
 
@@ -91,23 +92,47 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
+def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """``python -m train <args>`` in a fresh interpreter on XLA:CPU from the repository root, as a user runs it:
+    the real recipes load real models, whose graphs stay out of the test worker's process."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "train", *args], cwd=root, env=dict(os.environ, PJRT_DEVICE="CPU"),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_until(process: subprocess.Popen, prefix: str, timeout: float) -> list[str]:
+    """The lines ``process`` prints up to and including the first that starts with ``prefix``.
+
+    Bounded: a process that neither prints it nor ends within ``timeout`` seconds is killed and the test
+    fails here, instead of blocking the suite on a pipe read until CI's own limit."""
+    watchdog = threading.Timer(timeout, process.kill)
+    watchdog.start()
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith(prefix):
+                return lines
+    finally:
+        watchdog.cancel()
+    raise AssertionError(f"no line starting with {prefix!r} within {timeout:.0f} s (exit {process.poll()}):\n"
+                         + "".join(lines)[-3000:])
+
+
 def signalled_run(args: list[str], cues: list[tuple[str, int]], *, env: dict | None = None,
                   timeout: float = 600) -> tuple[int, str]:
     """``python -m train <args>`` on XLA:CPU from the repository root; each (line prefix, signal) of
-    ``cues`` is sent, in order, when the run prints a line starting with its prefix. Returns the exit
-    status and everything the run printed (stdout and stderr)."""
+    ``cues`` is sent, in order, when the run prints a line starting with its prefix (each within
+    ``timeout``). Returns the exit status and everything the run printed (stdout and stderr)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     process = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=root,
                                env=env or dict(os.environ, PJRT_DEVICE="CPU"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
-    lines, pending = [], list(cues)
+    lines = []
     try:
-        for line in process.stdout:  # not a terminal: one plain line per logged step
-            lines.append(line)
-            if line.startswith(pending[0][0]):
-                process.send_signal(pending.pop(0)[1])
-                if not pending:
-                    break
+        for prefix, signum in cues:  # not a terminal: one plain line per logged step
+            lines += read_until(process, prefix, timeout)
+            process.send_signal(signum)
         rest, _ = process.communicate(timeout=timeout)
     finally:
         process.kill()

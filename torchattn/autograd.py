@@ -34,7 +34,8 @@ import torch
 
 from . import internals, spmd
 from .backend import Backend, blockwise
-from .request import Options, Request, Tensors, accumulation_dtype
+from .request import Options, Request, Tensors
+from .types import accumulation_dtype
 
 _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, derived from Options' fields
 _TENSORS = Tensors.op_schema()  # the call's tensors, derived from Tensors' declaration

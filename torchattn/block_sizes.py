@@ -6,7 +6,7 @@ import dataclasses
 import numbers
 
 from .tiling import LANES, SUBLANES, round_up
-from .types import is_bool
+from .types import is_bool, type_name
 
 
 # The multiple each block size must be: query blocks tile the TPU vreg's sublanes, key blocks its lanes.
@@ -56,6 +56,16 @@ class BlockSizes:
             chip = generations.get(generation)
             sizes = chip.blocks if head_dim <= 128 else chip.blocks_wide_heads
         return cls(*sizes).clamped(q_len, kv_len)
+
+    @classmethod
+    def for_call(cls, given, q_len: int, kv_len: int, head_dim: int, generation: str | None) -> "BlockSizes":
+        """A call's block sizes: flash_attention's ``block_sizes`` clamped to the lengths, else the
+        generation's :meth:`default`."""
+        if given is None:
+            return cls.default(q_len, kv_len, head_dim, generation)
+        if not isinstance(given, BlockSizes):
+            raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(given)}")
+        return given.clamped(q_len, kv_len)
 
     def clamped(self, q_len: int, kv_len: int) -> "BlockSizes":
         """These sizes, each no larger than its sequence rounded up to the tile multiple, so a

@@ -55,7 +55,8 @@ def tpu_generation(device: torch.device) -> str | None:
         return None
     from . import generations
 
-    found = generations.from_device_kind(xla_device_kind(device))
+    chip = xla_device_kind(device)
+    found = generations.from_device_kind(chip)
     return None if found is None else found.name
 
 

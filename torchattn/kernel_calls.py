@@ -48,9 +48,8 @@ def kernel_arrays(tensors: Tensors) -> tuple[arguments.Array, ...]:
 
 def vmem_operands(request: Request) -> vmem.Operands:
     """What, besides block sizes, sets the VMEM the kernels of ``request`` need."""
-    return vmem.Operands(head_dim=request.head_dim, dtype=_dtype_name(request.dtype),
-                         extra=kernel_arrays(request.tensors())[3:],  # after q, k, v
-                         dropout=request.options.dropout_p > 0, softcap=request.options.softcap is not None)
+    return vmem.Operands.of(request.head_dim, _dtype_name(request.dtype), kernel_arrays(request.tensors()),
+                            request.options)
 
 
 def kernel_head_dim(head_dim: int) -> int:

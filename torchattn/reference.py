@@ -8,36 +8,30 @@ from __future__ import annotations
 
 import torch
 
-from . import masks
+from . import features, masks
 from .dropout import dropout_mask
-from .request import accumulation_dtype
+from .types import accumulation_dtype
 
 
-def attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    window: tuple[int | None, int | None] | None = None,
-    segment_ids: torch.Tensor | None = None,
-    kv_segment_ids: torch.Tensor | None = None,
-    softcap: float | None = None,
-    bias: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    dropout_seed=None,
-    upcast: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, upcast: bool = True,
+                        **options) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse) with the semantics of :func:`torchattn.flash_attention`.
 
     q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim).
-    segment_ids / kv_segment_ids: (batch, q_len) / (batch, kv_len), both or neither.
+    options: any of flash_attention's feature arguments (torchattn/features.py: causal, scale, window,
+        segment_ids and kv_segment_ids (both or neither), softcap, bias, dropout_p, dropout_seed); the
+        others take their defaults. Taken as given: the oracle does not validate.
     upcast: compute in float64 (the oracle); False computes in the input dtype,
         which is the low-precision baseline that kernel errors are measured against.
     Returns out in q's dtype and lse (batch, q_heads, q_len) in float32 (float64
     when upcast or for float64 inputs); rows that see no key give out 0 and lse -inf.
     """
+    unknown = sorted(set(options) - (set(features.arguments()) - {"return_lse"}))  # lse is always returned
+    if unknown:
+        raise TypeError(f"attention_reference: unexpected arguments {unknown}")
+    o = {**features.arguments(), **options}
+    causal, scale, window, softcap, bias = (o[name] for name in ("causal", "scale", "window", "softcap", "bias"))
+    segment_ids, kv_segment_ids, dropout_p = o["segment_ids"], o["kv_segment_ids"], o["dropout_p"]
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     compute = torch.float64 if upcast else q.dtype
@@ -66,7 +60,7 @@ def attention_reference(
     lse = torch.logsumexp(scores, dim=-1, keepdim=True)
     probs = torch.where(mask, torch.exp(scores - lse), 0.0)
     if dropout_p > 0.0:
-        keep = dropout_mask(dropout_seed, batch, q_heads, q_len, kv_len, dropout_p, device=q.device)
+        keep = dropout_mask(o["dropout_seed"], batch, q_heads, q_len, kv_len, dropout_p, device=q.device)
         probs = torch.where(keep, probs / (1.0 - dropout_p), 0.0)
     out = (probs @ vc).to(q.dtype)
     lse = torch.where(row_sees, lse, float("-inf")).squeeze(-1)

@@ -1,4 +1,8 @@
-"""A validated attention call: the tensors plus the static options every backend reads."""
+"""A validated attention call: the tensors plus the static options every backend reads.
+
+The fields of :class:`Options`, :class:`Tensors` and :class:`Request` that carry a call's features are the
+features' own (torchattn/features.py, in its order); the rest are what every call has.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,10 @@ import dataclasses
 
 import torch
 
-from . import dropout
+from . import dropout, features
 from .block_sizes import BlockSizes
 from .masks import diagonal_bounds
-from .roles import PER_DEVICE, KV_ROWS, PAIRS, Q_ROWS
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the scores, the softmax statistics and the lse for inputs of ``dtype``:
-    float64 for float64 inputs (which stay float64 throughout), float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .roles import PER_DEVICE, KV_ROWS, Q_ROWS
 
 
 def _same(value):
@@ -38,17 +36,12 @@ _OP_TYPES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
+class _Options:
     """Static (hashable) options of one call, validated by torchattn.api; tensors live in :class:`Request`.
 
-    The blockwise backends get them through two custom ops, whose schemas take typed
-    primitives: :meth:`op_schema`, :meth:`op_arguments` and :meth:`from_op_arguments`
-    derive that form from the fields below, so a new option is a new field (of a type
-    in ``_OP_TYPES``) and nothing else here.
+    Fields: each OPTION field of the features (torchattn/features.py: causal, scale, window, softcap,
+    dropout_p), then those of every call:
 
-    window: (left, right) band around the bottom-right diagonal, None = unbounded.
-    softcap: logits -> softcap * tanh(logits / softcap), None = off.
     block_sizes: resolved for this call: the caller's clamped to the lengths, or the
         default for the device's TPU generation (see ``BlockSizes.default``).
     generation: the TPU generation the call runs on ("v5e", ...; torchattn.generations), None off
@@ -56,16 +49,11 @@ class Options:
     sequence_shard: (global q_len, local rows per half) when the call's q is one device's shard of a
         sequence-sharded call (torchattn.spmd): each half of its rows starts at a global position the
         per-device ``row_offsets`` give (torchattn.context.row_offsets); None: q's rows are the global ones.
-    """
 
-    causal: bool
-    scale: float
-    window: tuple[int | None, int | None] | None
-    softcap: float | None
-    dropout_p: float
-    block_sizes: BlockSizes
-    generation: str | None = None
-    sequence_shard: tuple[int | None, int | None] | None = None
+    The blockwise backends get them through two custom ops, whose schemas take typed primitives:
+    :meth:`op_schema`, :meth:`op_arguments` and :meth:`from_op_arguments` derive that form from the fields,
+    each of a type in ``_OP_TYPES``.
+    """
 
     @property
     def bounds(self) -> tuple[int | None, int | None]:
@@ -88,17 +76,43 @@ class Options:
         return cls(*[_OP_TYPES[field.type][2](value) for field, value in zip(dataclasses.fields(cls), arguments)])
 
 
-def _tensor(role: str, *, heads: bool, features: bool = False, grad: bool = False, optional: bool = True):
-    return dataclasses.field(metadata=dict(role=role, heads=heads, features=features, grad=grad, optional=optional))
+_SHARD = "tuple[int | None, int | None] | None"
+Options = dataclasses.make_dataclass(
+    "Options", [*((field.name, field.type) for field in features.fields(features.OPTION)),
+                ("block_sizes", "BlockSizes"), ("generation", "str | None", dataclasses.field(default=None)),
+                ("sequence_shard", _SHARD, dataclasses.field(default=None))],
+    bases=(_Options,), namespace={"__doc__": _Options.__doc__, "__module__": __name__}, frozen=True)
 
 
-@dataclasses.dataclass
-class Tensors:
-    """The tensors of one call as they cross the custom ops' boundary: one declaration, from which the ops'
-    tensor arguments, their fakes, the autograd Function's saved tensors and gradients, SPMD's shard rules and the
-    kernels' inputs are derived. Each field names its shape role (torchattn/roles.py), whether it has a heads dim,
-    whether its rows hold head_dim features, and whether it gets a gradient (an optional one only when it
-    requires grad). A new tensor input is a new field here.
+@dataclasses.dataclass(frozen=True)
+class Declared:
+    """One field of :class:`Tensors`: its shape role (torchattn/roles.py), whether it has a heads dim,
+    whether its rows hold head_dim features, whether it gets a gradient (an optional one only when it
+    requires grad) and whether it may be absent (None). A plain object: torch.compile traces its reads."""
+
+    name: str
+    role: str
+    heads: bool
+    features: bool
+    grad: bool
+    optional: bool
+
+
+_DECLARED = (
+    *(Declared(name, role, heads=True, features=True, grad=True, optional=False)
+      for name, role in (("q", Q_ROWS), ("k", KV_ROWS), ("v", KV_ROWS))),
+    *(Declared(field.name, field.role, heads=field.heads, features=False, grad=field.grad, optional=True)
+      for field in features.fields(features.TENSOR)),
+    Declared("dropout_key", PER_DEVICE, heads=True, features=False, grad=False, optional=True),
+    Declared("row_offsets", PER_DEVICE, heads=True, features=False, grad=False, optional=True),
+)
+
+
+class _Tensors:
+    """The tensors of one call as they cross the custom ops' boundary: one declaration (``_DECLARED``: q, k,
+    v, each TENSOR field of the features, then the per-device tables), from which the ops' tensor arguments,
+    their fakes, the autograd Function's saved tensors and gradients, SPMD's shard rules and the kernels'
+    inputs are derived.
 
     dropout_key: int64 (3,) on the op side (torchattn.dropout.keys); the global form, before SPMD cuts it,
     is the (batch shards, head shards, sequence shards, 3) table.
@@ -106,15 +120,6 @@ class Tensors:
     the first row of each half of this device's q rows; globally the (batch shards, head shards, sequence
     shards, 2) table (torchattn.context.row_offsets).
     """
-
-    q: torch.Tensor = _tensor(Q_ROWS, heads=True, features=True, grad=True, optional=False)
-    k: torch.Tensor = _tensor(KV_ROWS, heads=True, features=True, grad=True, optional=False)
-    v: torch.Tensor = _tensor(KV_ROWS, heads=True, features=True, grad=True, optional=False)
-    segment_ids: torch.Tensor | None = _tensor(Q_ROWS, heads=False)
-    kv_segment_ids: torch.Tensor | None = _tensor(KV_ROWS, heads=False)
-    bias: torch.Tensor | None = _tensor(PAIRS, heads=True, grad=True)
-    dropout_key: torch.Tensor | None = _tensor(PER_DEVICE, heads=True)
-    row_offsets: torch.Tensor | None = _tensor(PER_DEVICE, heads=True)
 
     @classmethod
     def declared(cls) -> tuple[Declared, ...]:
@@ -139,50 +144,33 @@ class Tensors:
         """The fields in declaration order (not dataclasses.astuple, which copies tensors)."""
         return [getattr(self, d.name) for d in _DECLARED]
 
+    def of_role(self, role: str) -> dict:
+        """{name: tensor} of the present fields of shape ``role`` (torchattn/roles.py), in declaration order."""
+        return {d.name: t for d, t in zip(_DECLARED, self.values()) if d.role == role and t is not None}
+
     def map(self, fn) -> Tensors:
         """``fn(declared, value)`` applied to every present field; absent (None) ones stay None."""
         return Tensors(*[None if value is None else fn(d, value) for d, value in zip(_DECLARED, self.values())])
 
 
-@dataclasses.dataclass(frozen=True)
-class Declared:
-    """One field of :class:`Tensors` as declared (a plain object: torch.compile cannot trace field metadata)."""
-
-    name: str
-    role: str
-    heads: bool
-    features: bool
-    grad: bool
-    optional: bool
+Tensors = dataclasses.make_dataclass("Tensors", [(d.name, "torch.Tensor | None") for d in _DECLARED],
+                                     bases=(_Tensors,), namespace={"__doc__": _Tensors.__doc__, "__module__": __name__})
 
 
-_DECLARED = tuple(Declared(field.name, **field.metadata) for field in dataclasses.fields(Tensors))
-
-
-@dataclasses.dataclass
-class Request:
+class _Request:
     """Inputs after validation.
 
     q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim).
+    Then the features' TENSOR and CALL fields (torchattn/features.py):
     segment_ids: int32 (batch, q_len) or None; kv_segment_ids: int32 (batch, kv_len),
         present whenever segment_ids is.
     bias: 4-D, each dim 1 or the full (batch, q_heads, q_len, kv_len) size, or None.
     seed: int64 tensor of shape (1,) holding the 32 seed bits, present iff dropout_p > 0.
-    sharding: see the field.
+    return_lse: whether the call returns the lse.
+    options: :class:`Options`.
+    sharding: how the inputs are sharded under SPMD (torchattn.sharding.resolve): a Sharding, "whole",
+        "unmarked" or None; found once, at validation, for the backend's choice and its run alike.
     """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    segment_ids: torch.Tensor | None
-    kv_segment_ids: torch.Tensor | None
-    bias: torch.Tensor | None
-    seed: torch.Tensor | None
-    options: Options
-    return_lse: bool
-    # How the inputs are sharded under SPMD (torchattn.sharding.resolve): a Sharding, "whole" or None; found
-    # once, at validation, for the backend's choice and its run alike.
-    sharding: object = None
 
     def tensors(self, batch_shards: int = 1, head_shards: int = 1, row_offsets: torch.Tensor | None = None) -> Tensors:
         """The call's tensors, global, with the per-device tables of ``batch_shards`` x ``head_shards`` x
@@ -229,3 +217,11 @@ class Request:
     @property
     def device(self) -> torch.device:
         return self.q.device
+
+
+Request = dataclasses.make_dataclass(
+    "Request", [*((name, "torch.Tensor") for name in ("q", "k", "v")),
+                *((field.name, "object") for kind in (features.TENSOR, features.REQUEST)
+                  for field in features.fields(kind)),
+                ("options", "Options"), ("sharding", "object", dataclasses.field(default=None))],
+    bases=(_Request,), namespace={"__doc__": _Request.__doc__, "__module__": __name__})

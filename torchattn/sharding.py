@@ -127,10 +127,13 @@ def xla_spmd(request: Request) -> bool:
     return xr.is_spmd()
 
 
+UNMARKED = "unmarked"  # SPMD is on and nothing says how q is sharded
+
+
 def resolve(request: Request) -> Sharding | str | None:
     """How ``request``'s inputs are sharded: a Sharding; "whole" (q is replicated, or already
-    per device); None (not SPMD, or nothing says). ValueError for a sharding torchattn cannot
-    run per device (head_dim sharded, sizes not divisible)."""
+    per device); UNMARKED (SPMD is on, nothing says); None (not SPMD). ValueError for a sharding
+    torchattn cannot run per device (head_dim sharded, sizes not divisible)."""
     if not xla_spmd(request):
         return None
     own = _from_input(request.q)
@@ -140,7 +143,7 @@ def resolve(request: Request) -> Sharding | str | None:
         own = _from_global_mesh(request)
     if isinstance(own, Sharding):
         _check(own, request)
-    return own
+    return UNMARKED if own is None else own
 
 
 def _from_global_mesh(request: Request) -> Sharding | None:

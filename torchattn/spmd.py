@@ -38,7 +38,7 @@ from . import context, once
 from .block_sizes import BlockSizes
 from .request import Request
 from .roles import KV_ROWS, PAIRS, PER_DEVICE, Q_ROWS
-from .sharding import Sharding, ways, xla_spmd
+from .sharding import UNMARKED, Sharding, ways
 from .tiling import SUBLANES
 
 
@@ -47,7 +47,7 @@ def run(request: Request, attention, *, per_device: bool):
     ``per_device`` and it is sharded, else once on the global tensors; returns global (out, lse)."""
     q = request.q
     sharding = request.sharding
-    if sharding is None and per_device and xla_spmd(request):
+    if sharding == UNMARKED and per_device:
         once.warn(("spmd", "unsharded"),
                   "torchattn: SPMD is on but q carries no sharding and no torchattn.sharded(...) context is "
                   "active: the kernels run on the global tensors on every device (XLA gathers q, k and v). "

@@ -3,8 +3,8 @@ compiled by XLA for any XLA device.
 
 Flash-attention-2 style over (query block, key block) tiles of ``block_q`` x
 ``block_kv`` (``block_q_bwd`` x ``block_kv_bwd`` in the backward), so no
-(q_len x kv_len) tensor is ever built (only the bias gradient, which has the bias's
-own size) and the loop's working set, a few tiles, does not grow with either length.
+(q_len x kv_len) tensor is ever built (only the gradient of a per-pair input such as the bias, which
+has that input's own size) and the loop's working set, a few tiles, does not grow with either length.
 The loop is one XLA While (torch_xla's scan) over the list of tiles the causal/window
 band makes visible (kernels/block_geometry.py, as for the Pallas grid; about half the
 tiles when causal), so compile time grows with neither length. The tile list is static,
@@ -15,7 +15,10 @@ built on the host; each step picks its blocks out of the loop-invariant inputs b
   block's output and lse so far into the (query blocks, ...) result buffers, so the block's
   last tile leaves its final values there. Query blocks with no visible tile keep 0 and -inf.
 - Backward: tiles ordered by key block; every step adds its share to dq, dk, dv (and the
-  bias gradient) in buffers of the inputs' sizes.
+  gradient of each per-pair input that needs one) in buffers of the inputs' sizes.
+
+Per (q, kv) pair inputs (torchattn/roles.py: PAIRS; the bias) are read by their role: each is an additive term
+of the logits, blocked along the dims it does not broadcast over.
 
 GQA runs as (batch, kv_heads, groups * block_q) rows against the shared K/V head, so K/V
 are never repeated: row r of a query block is query r % block_q of query head
@@ -32,7 +35,9 @@ import torch.nn.functional as F
 from . import internals, masks
 from .dropout import column_keys, element_bits, keep_threshold, row_keys
 from .kernels.block_geometry import BlockGeometry
-from .request import Tensors, accumulation_dtype
+from .request import Tensors
+from .roles import PAIRS
+from .types import accumulation_dtype
 
 _NEG_INF = float("-inf")
 
@@ -46,7 +51,7 @@ def forward(tensors: Tensors, options):
 
     q = tensors.q
     with xp.Trace("torchattn.xla.forward"):
-        lay = _Layout(q, tensors.k, tensors.bias, options.block_sizes.block_q, options.block_sizes.block_kv)
+        lay = _Layout(q, tensors.k, tensors.of_role(PAIRS), options.block_sizes.block_q, options.block_sizes.block_kv)
         data = _prepare(lay, tensors, options)
         tiles = _tiles(lay, options, by_kv=False, device=q.device)
         rows_shape = (lay.B, lay.Hkv, lay.rows, 1)
@@ -87,12 +92,13 @@ def forward(tensors: Tensors, options):
 
 
 def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
-    """{name: gradient} of q, k, v and, if in ``wanted``, the bias."""
+    """{name: gradient} of q, k, v and of each per-pair input in ``wanted``."""
     import torch_xla.debug.profiler as xp
 
-    q, k, bias, bias_grad = tensors.q, tensors.k, tensors.bias, "bias" in wanted
+    q, k, pairs = tensors.q, tensors.k, tensors.of_role(PAIRS)
+    pair_grads = [name for name in pairs if name in wanted]
     with xp.Trace("torchattn.xla.backward"):
-        lay = _Layout(q, k, bias, options.block_sizes.block_q_bwd, options.block_sizes.block_kv_bwd)
+        lay = _Layout(q, k, pairs, options.block_sizes.block_q_bwd, options.block_sizes.block_kv_bwd)
         data = _prepare(lay, tensors, options)
         tiles = _tiles(lay, options, by_kv=True, device=q.device)
         do = do.to(lay.compute)
@@ -104,11 +110,10 @@ def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
         data["q"].update(do=lay.q_blocks(do), delta=lay.q_blocks(delta), lse=lay.q_blocks(lse))
         keep_scale = 1.0 / (1.0 - options.dropout_p)
         grads = (torch.zeros_like(data["q"]["q"]), torch.zeros_like(data["kv"]["k"]), torch.zeros_like(data["kv"]["v"]))
-        if bias_grad:
-            grads += (torch.zeros_like(data["bias"]["bias"]),)
+        grads += tuple(torch.zeros_like(data[name][name]) for name in pair_grads)
 
         def step(carry, tile):
-            (dq, dk, dv, *dbias), data = carry
+            (dq, dk, dv, *dpairs), data = carry
             blk = _tile_inputs(lay, data, tile)
             s, mask, tanh = _scores(lay, options, blk, tile)
             p = torch.where(mask, torch.exp(s - blk["lse"]), 0.0)  # (B, Hkv, G * bq, bk)
@@ -118,10 +123,10 @@ def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
                 keep = _keep(lay, options, blk, tile)
                 p_dropped = torch.where(keep, p * keep_scale, 0.0)
                 dp = torch.where(keep, dp * keep_scale, 0.0)
-            ds = p * (dp - blk["delta"])  # gradient of the logits after softcap and bias
-            if bias_grad:
-                tile_dbias = _sum_to(lay.heads(ds), blk["bias"].shape)  # (Bb, Hkv|1, G|1, bq|1, bk|1)
-                dbias = [dbias[0].index_add(0, tile["bias"].view(1), tile_dbias.unsqueeze(0))]
+            ds = p * (dp - blk["delta"])  # gradient of the logits after softcap: of every per-pair term
+            for i, name in enumerate(pair_grads):
+                tile_grad = _sum_to(lay.heads(ds), blk[name].shape)  # (Bb, Hkv|1, G|1, bq|1, bk|1)
+                dpairs[i] = dpairs[i].index_add(0, tile[name].view(1), tile_grad.unsqueeze(0))
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
             at_q, at_kv = tile["q"].view(1), tile["kv"].view(1)
@@ -129,29 +134,29 @@ def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
             # Contracting over G * bq rows sums the G query heads that share this kv head.
             dk = dk.index_add(0, at_kv, (ds.transpose(-1, -2) @ blk["q"]).unsqueeze(0))  # q carries the scale
             dv = dv.index_add(0, at_kv, (p_dropped.transpose(-1, -2) @ blk["do"]).unsqueeze(0))
-            return ((dq, dk, dv, *dbias), data), ()
+            return ((dq, dk, dv, *dpairs), data), ()
 
         (grads, _), _ = internals.scan(step, (grads, data), tiles)
         dq = (lay.from_q_blocks(grads[0]) * options.scale).to(q.dtype)  # (B, Hq, Sq, D)
         dk, dv = (_merge(g, 3, lay.Skv).to(k.dtype) for g in grads[1:3])  # (B, Hkv, Skv, D)
         result = dict(q=dq, k=dk, v=dv)
-        if bias_grad:
-            result["bias"] = _bias_from_blocks(lay, grads[3], bias).to(bias.dtype)
+        for name, blocks in zip(pair_grads, grads[3:]):
+            result[name] = _pair_from_blocks(lay, name, blocks, pairs[name]).to(pairs[name].dtype)
         return result
 
 
 class _Layout:
     """Static sizes of one call and the reshapes between (B, Hq, Sq, .) and query blocks of rows."""
 
-    def __init__(self, q, k, bias, block_q, block_kv):
+    def __init__(self, q, k, pairs, block_q, block_kv):
         self.B, self.Hq, self.Sq, self.D = q.shape
         self.Hkv, self.Skv = k.shape[1], k.shape[2]
         self.G = self.Hq // self.Hkv
         self.bq, self.bk = block_q, block_kv
         self.nq, self.nk = -(-self.Sq // block_q), -(-self.Skv // block_kv)  # the last blocks are padded
         self.rows = self.G * block_q  # rows per query block
-        # Whether the bias has a query / key axis (False where it broadcasts: its blocks do too).
-        self.bias_axes = (False, False) if bias is None else (bias.shape[2] > 1, bias.shape[3] > 1)
+        # Per per-pair input: whether it has a query / key axis (False where it broadcasts: its blocks do too).
+        self.pair_axes = {name: (t.shape[2] > 1, t.shape[3] > 1) for name, t in pairs.items()}
         self.compute = accumulation_dtype(q.dtype)
 
     def q_blocks(self, t):
@@ -165,13 +170,13 @@ class _Layout:
         return _merge(t, 4, self.Sq).reshape(self.B, self.Hq, self.Sq, t.shape[-1])
 
     def heads(self, t):
-        """(B, Hkv, G * bq, X) -> (B, Hkv, G, bq, X), to broadcast against a bias block."""
+        """(B, Hkv, G * bq, X) -> (B, Hkv, G, bq, X), to broadcast against a per-pair block."""
         return t.view(self.B, self.Hkv, self.G, self.bq, t.shape[-1])
 
 
 def _tiles(lay, options, by_kv, device):
     """The visible (query block, key block) tiles as the loop's inputs, int64 (n,) each:
-    ``q``, ``kv``, ``bias`` (the tile's bias block). Ordered by query block, with ``first``
+    ``q``, ``kv`` and, per per-pair input, its name (the tile's block of it). Ordered by query block, with ``first``
     (bool: the first tile of its query block), or by key block if ``by_kv``.
 
     The band always holds the last query's diagonal key, so the list is never empty.
@@ -185,11 +190,11 @@ def _tiles(lay, options, by_kv, device):
         kv_index, q_index = np.nonzero(visible.T)
     else:
         q_index, kv_index = np.nonzero(visible)
-    has_q, has_kv = lay.bias_axes
-    bias_index = (q_index if has_q else 0) * (lay.nk if has_kv else 1) + (kv_index if has_kv else 0)  # _bias_blocks
     as_tensor = dict(dtype=torch.int64, device=device)
-    tiles = {"q": torch.tensor(q_index, **as_tensor), "kv": torch.tensor(kv_index, **as_tensor),
-             "bias": torch.tensor(np.broadcast_to(bias_index, q_index.shape), **as_tensor)}
+    tiles = {"q": torch.tensor(q_index, **as_tensor), "kv": torch.tensor(kv_index, **as_tensor)}
+    for name, (has_q, has_kv) in lay.pair_axes.items():  # the block index of _pair_blocks
+        index = (q_index if has_q else 0) * (lay.nk if has_kv else 1) + (kv_index if has_kv else 0)
+        tiles[name] = torch.tensor(np.broadcast_to(index, q_index.shape), **as_tensor)
     if not by_kv:
         tiles["first"] = torch.tensor(np.diff(q_index, prepend=-1) != 0, device=device)
     return tiles
@@ -197,8 +202,8 @@ def _tiles(lay, options, by_kv, device):
 
 def _prepare(lay, tensors: Tensors, options):
     """Loop invariants, grouped by the index that picks a step's block out of them:
-    ``q`` (leading dim nq), ``kv`` (nk), ``bias`` (bias blocks) and ``const`` (taken whole)."""
-    q, k, v, bias = tensors.q, tensors.k, tensors.v, tensors.bias
+    ``q`` (leading dim nq), ``kv`` (nk), each per-pair input's name (its blocks) and ``const`` (taken whole)."""
+    q, k, v = tensors.q, tensors.k, tensors.v
     segment_ids, kv_segment_ids, dropout_key = tensors.segment_ids, tensors.kv_segment_ids, tensors.dropout_key
     dev = q.device
     idx = dict(dtype=torch.int64, device=dev)
@@ -212,11 +217,11 @@ def _prepare(lay, tensors: Tensors, options):
         q_seg = segment_ids.view(lay.B, 1, 1, lay.Sq, 1).expand(lay.B, 1, lay.G, lay.Sq, 1)
         by_q["q_seg"] = _split(q_seg, 3, lay.bq, lay.nq).reshape(lay.nq, lay.B, 1, lay.rows, 1)
         by_kv["kv_seg"] = _split(kv_segment_ids.view(lay.B, 1, 1, lay.Skv), 3, lay.bk, lay.nk)  # (nk, B, 1, 1, bk)
-    if bias is not None:
+    for name, term in tensors.of_role(PAIRS).items():
         # (Bb, Hb, Sqb, Skvb) -> (Bb, Hkv|1, G|1, Sqb, Skvb) to broadcast against heads(scores).
-        split_heads = (lay.Hkv, lay.G) if bias.shape[1] > 1 else (1, 1)
-        bias = bias.to(lay.compute).reshape(bias.shape[0], *split_heads, *bias.shape[2:])
-        data["bias"] = {"bias": _bias_blocks(lay, bias)}
+        split_heads = (lay.Hkv, lay.G) if term.shape[1] > 1 else (1, 1)
+        term = term.to(lay.compute).reshape(term.shape[0], *split_heads, *term.shape[2:])
+        data[name] = {name: _pair_blocks(lay, name, term)}
     if options.dropout_p > 0.0:
         # batch_head = first + b * heads + h (torchattn.dropout.keys).
         seed, first, heads = dropout_key
@@ -227,28 +232,28 @@ def _prepare(lay, tensors: Tensors, options):
     return data
 
 
-def _bias_blocks(lay, bias):
-    """(Bb, H, G, Sqb, Skvb) -> (bias blocks, Bb, H, G, bq|1, bk|1): block (i, j) at i * nk + j,
-    where i, j are 0 along an axis the bias broadcasts over."""
-    has_q, has_kv = lay.bias_axes
-    bias = _split(bias, 4, lay.bk, lay.nk) if has_kv else bias.unsqueeze(0)  # (nk|1, Bb, H, G, Sqb, bk|1)
-    bias = _split(bias, 4, lay.bq, lay.nq) if has_q else bias.unsqueeze(0)  # (nq|1, nk|1, Bb, H, G, bq|1, bk|1)
-    return bias.reshape(-1, *bias.shape[2:])
+def _pair_blocks(lay, name, term):
+    """(Bb, H, G, Sqb, Skvb) -> (blocks, Bb, H, G, bq|1, bk|1): block (i, j) at i * nk + j,
+    where i, j are 0 along an axis the per-pair input ``name`` broadcasts over."""
+    has_q, has_kv = lay.pair_axes[name]
+    term = _split(term, 4, lay.bk, lay.nk) if has_kv else term.unsqueeze(0)  # (nk|1, Bb, H, G, Sqb, bk|1)
+    term = _split(term, 4, lay.bq, lay.nq) if has_q else term.unsqueeze(0)  # (nq|1, nk|1, Bb, H, G, bq|1, bk|1)
+    return term.reshape(-1, *term.shape[2:])
 
 
-def _bias_from_blocks(lay, blocks, bias):
-    """Inverse of :func:`_bias_blocks`, back to ``bias``'s shape."""
-    has_q, has_kv = lay.bias_axes
+def _pair_from_blocks(lay, name, blocks, term):
+    """Inverse of :func:`_pair_blocks`, back to ``term``'s shape."""
+    has_q, has_kv = lay.pair_axes[name]
     blocks = blocks.view(lay.nq if has_q else 1, lay.nk if has_kv else 1, *blocks.shape[1:])
     blocks = _merge(blocks, 5, lay.Sq) if has_q else blocks.squeeze(0)  # (nk|1, Bb, H, G, Sqb, bk|1)
     blocks = _merge(blocks, 5, lay.Skv) if has_kv else blocks.squeeze(0)  # (Bb, H, G, Sqb, Skvb)
-    return blocks.reshape(bias.shape)
+    return blocks.reshape(term.shape)
 
 
 def _tile_inputs(lay, data, tile):
     """The step's blocks: each loop invariant indexed by the tile's block of its group."""
     blk = dict(data["const"])
-    for group in ("q", "kv", "bias"):
+    for group in ("q", "kv", *lay.pair_axes):
         at = tile[group].view(1)
         blk.update({name: t.index_select(0, at).squeeze(0) for name, t in data.get(group, {}).items()})
     return blk
@@ -261,8 +266,8 @@ def _scores(lay, options, blk, tile):
     if options.softcap is not None:
         tanh = torch.tanh(s / options.softcap)
         s = options.softcap * tanh
-    if "bias" in blk:
-        s = (lay.heads(s) + blk["bias"]).view(s.shape)
+    for name in lay.pair_axes:  # each per-pair input is an additive term of the logits
+        s = (lay.heads(s) + blk[name]).view(s.shape)
     left, right = options.bounds
     rows, cols = _positions(lay, blk, tile)
     mask = masks.visible(rows, cols, q_len=lay.Sq, kv_len=lay.Skv, left=left, right=right,
@@ -298,6 +303,6 @@ def _merge(t, dim, length):
 
 
 def _sum_to(ds, shape):
-    """Sums ``ds`` over the dims where ``shape`` (a bias block's) broadcasts (is 1)."""
+    """Sums ``ds`` over the dims where ``shape`` (a per-pair input's block) broadcasts (is 1)."""
     dims = [i for i, size in enumerate(shape) if size == 1 and ds.shape[i] != 1]
     return ds.sum(dims, keepdim=True) if dims else ds

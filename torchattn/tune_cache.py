@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import devices
+from . import devices, features
 from .block_sizes import BlockSizes
 
 if TYPE_CHECKING:
     from .request import Request
 
 ENV_VAR = "TORCHATTN_TUNE_CACHE"
-FORMAT = 1  # version of the file's layout: a file with another one is ignored
+FORMAT = 2  # version of the file's layout: a file with another one is ignored (2: keys by feature name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,28 +38,33 @@ class Key:
     dtype: str  # of q, k, v: "bfloat16", "float32", ...
     q_shape: tuple[int, int, int, int]  # (batch, q_heads, q_len, head_dim)
     k_shape: tuple[int, int, int, int]  # (batch, kv_heads, kv_len, head_dim)
-    causal: bool
-    window: tuple[int | None, int | None] | None
-    softcap: bool  # whether softcap is on; its value does not change the work
-    segments: bool
-    bias: tuple[int, int, int, int] | None  # the bias's 4-D shape, 1 where broadcast
-    bias_grad: bool
-    dropout: bool
+    # (feature, what the tuned work depends on) of each feature that changes it, as torchattn/features.py
+    # declares it: whether causal, the window, whether softcap (not its value), the bias's 4-D shape and
+    # whether it needs a gradient, ...
+    features: tuple[tuple[str, object], ...]
 
     @classmethod
     def of(cls, request: Request) -> Key:
-        """The key of a validated call (torchattn.request.Request: bias 4-D, window a tuple)."""
-        q, bias, o = request.q, request.bias, request.options
+        """The key of a validated call (torchattn.request.Request)."""
+        q = request.q
         return cls(device_kind=device_kind(q.device), dtype=str(q.dtype).removeprefix("torch."),
-                   q_shape=tuple(q.shape), k_shape=tuple(request.k.shape),
-                   causal=o.causal, window=o.window, softcap=o.softcap is not None,
-                   segments=request.segment_ids is not None,
-                   bias=None if bias is None else tuple(bias.shape), bias_grad=bias is not None and bias.requires_grad,
-                   dropout=o.dropout_p > 0)
+                   q_shape=tuple(q.shape), k_shape=tuple(request.k.shape), features=features.tuned(request))
+
+    def to_json(self) -> dict:
+        """The file's form: the features' entries beside the shapes, by name."""
+        return dict(device_kind=self.device_kind, dtype=self.dtype, q_shape=self.q_shape, k_shape=self.k_shape,
+                    **dict(self.features))
 
     @classmethod
     def from_json(cls, fields: dict) -> Key:
-        return cls(**{name: tuple(value) if isinstance(value, list) else value for name, value in fields.items()})
+        fields = {name: _tuples(value) for name, value in fields.items()}
+        shapes = {name: fields.pop(name) for name in ("device_kind", "dtype", "q_shape", "k_shape")}
+        return cls(**shapes, features=tuple(fields.items()))
+
+
+def _tuples(value):
+    """JSON's lists back as the tuples they were (nested: a bias entry is (shape, requires grad))."""
+    return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +151,7 @@ def _read(file: Path) -> dict[Key, Tuned]:
 
 def _write(file: Path, entries: dict[Key, Tuned]) -> None:
     data = {"format": FORMAT, "entries": [
-        {"key": dataclasses.asdict(key), "block_sizes": dataclasses.asdict(entry.block_sizes),
+        {"key": key.to_json(), "block_sizes": dataclasses.asdict(entry.block_sizes),
          "timings": [{"block_sizes": dataclasses.asdict(blocks), "seconds": seconds}
                      for blocks, seconds in entry.timings]}
         for key, entry in entries.items()]}

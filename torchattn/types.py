@@ -1,6 +1,8 @@
-"""Python scalars and their NumPy equivalents, as the validation sees them."""
+"""Python scalars and their NumPy equivalents, as the validation sees them; the dtype a call computes in."""
 
 from __future__ import annotations
+
+import torch
 
 
 def is_bool(value) -> bool:
@@ -17,3 +19,9 @@ def type_name(value) -> str:
     if kind.__module__ == "builtins":
         return kind.__qualname__
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the scores, the softmax statistics and the lse for inputs of ``dtype``:
+    float64 for float64 inputs (which stay float64 throughout), float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 
 from .. import api, generations
 from ..block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
 from . import schedule
-from .attention import BACKWARDS, BIAS_KINDS, Attention, compile_attention
+from .attention import BACKWARDS, Attention, compile_attention, flags
 
 MiB = 1 << 20
 
@@ -55,19 +54,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape.add_argument("--kv-heads", type=_positive_int(), help="default: --q-heads (a divisor of it: GQA)")
     shape.add_argument("--seq-len", type=_positive_int(), required=True, help="query length")
     shape.add_argument("--kv-len", type=_positive_int(), help="key/value length; default: --seq-len")
-    shape.add_argument("--head-dim", type=_checked(_positive_int(), api.check_head_dim), required=True)
+    shape.add_argument("--head-dim", type=_parsed(_head_dim), required=True)
     shape.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     features = parser.add_argument_group("features")
-    features.add_argument("--causal", action="store_true")
-    features.add_argument("--window", type=_checked(_window, api.check_window), metavar="LEFT,RIGHT",
-                          help="sliding window around the diagonal; an empty side is unbounded (e.g. 4096,0)")
-    features.add_argument("--softcap", type=_float_where(lambda x: 0 < x < math.inf, "a positive number"),
-                          help="logits -> softcap * tanh(logits / softcap)")
-    features.add_argument("--segments", action="store_true", help="segment ids (packed documents)")
-    features.add_argument("--bias", choices=[kind for kind in BIAS_KINDS if kind],
-                          help="full: (batch, q_heads, seq_len, kv_len); broadcast: (1, q_heads, 1, kv_len)")
-    features.add_argument("--dropout", type=_float_where(lambda p: 0 <= p < 1, "a probability in [0, 1)"),
-                          default=0.0, metavar="P", help="attention dropout probability")
+    for flag in flags():  # torchattn/features.py declares each
+        if flag.parse is None and flag.choices is None:
+            features.add_argument("--" + flag.name, dest=flag.field, action="store_true", help=flag.help)
+        else:
+            features.add_argument("--" + flag.name, dest=flag.field, default=flag.default, help=flag.help,
+                                  type=None if flag.parse is None else _parsed(flag.parse), choices=flag.choices,
+                                  metavar=flag.metavar)
     blocks = parser.add_argument_group("block sizes", "any subset; the others take the generation's default")
     for name, multiple in MULTIPLES.items():
         blocks.add_argument("--" + name.replace("_", "-"), type=_positive_int(multiple),
@@ -91,39 +87,24 @@ def _positive_int(multiple: int = 1):
     return parse
 
 
-def _float_where(accept, expected: str):
-    """argparse type: a float for which ``accept`` holds (NaN and unparsable text are refused)."""
-    def parse(text: str) -> float:
+def _parsed(parse):
+    """argparse type: a feature flag's ``parse`` (torchattn/features.py), its ValueError as argparse's error."""
+    def parse_or_refuse(text: str):
         try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not accept(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-    return parse
-
-
-def _checked(parse, check):
-    """argparse type: ``parse``, then the API's own ``check`` (torchattn.api), its ValueError as argparse's error."""
-    def parse_and_check(text: str):
-        value = parse(text)
-        try:
-            check(value)
+            return parse(text)
         except ValueError as error:
             raise argparse.ArgumentTypeError(str(error)) from None
-        return value
-    return parse_and_check
+    return parse_or_refuse
 
 
-def _window(text: str) -> tuple[int | None, int | None]:
-    """LEFT,RIGHT as flash_attention's window (unchecked: see _checked)."""
-    sides = text.split(",")
-    if len(sides) != 2 or not all(side in ("", "None") or side.removeprefix("-").isdecimal() for side in sides):
-        raise argparse.ArgumentTypeError(
-            f"expected LEFT,RIGHT, each an integer >= 0 or empty/None (unbounded), got {text!r}")
-    left, right = (None if side in ("", "None") else int(side) for side in sides)
-    return left, right
+def _head_dim(text: str) -> int:
+    """--head-dim: a positive integer the API accepts (torchattn.api.check_head_dim)."""
+    try:
+        head_dim = _positive_int()(text)
+    except argparse.ArgumentTypeError as error:
+        raise ValueError(str(error)) from None
+    api.check_head_dim(head_dim)
+    return head_dim
 
 
 def _window_values_attached(argv: list[str]) -> list[str]:
@@ -140,8 +121,7 @@ def _window_values_attached(argv: list[str]) -> list[str]:
 def attention_from(args: argparse.Namespace) -> Attention:
     return Attention(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads, q_len=args.seq_len,
                      kv_len=args.kv_len or args.seq_len, head_dim=args.head_dim, dtype=args.dtype,
-                     causal=args.causal, window=args.window, softcap=args.softcap, segments=args.segments,
-                     bias=args.bias, dropout_p=args.dropout)
+                     **{flag.field: getattr(args, flag.field) for flag in flags()})
 
 
 def block_sizes(args: argparse.Namespace, attention: Attention, generation: str) -> BlockSizes:
@@ -152,8 +132,7 @@ def block_sizes(args: argparse.Namespace, attention: Attention, generation: str)
 
 
 def describe(attention: Attention) -> str:
-    features = [f"causal={attention.causal}", f"window={attention.window}", f"softcap={attention.softcap}",
-                f"segments={attention.segments}", f"bias={attention.bias}", f"dropout={attention.dropout_p}"]
+    features = [f"{flag.name}={getattr(attention, flag.field)}" for flag in flags()]
     return (f"batch {attention.batch}, q_heads {attention.q_heads}, kv_heads {attention.kv_heads}, "
             f"seq_len {attention.q_len}, kv_len {attention.kv_len}, head_dim {attention.head_dim}, "
             f"{attention.dtype}; " + ", ".join(features))

@@ -7,31 +7,20 @@ import dataclasses
 import torch
 
 from ..block_sizes import BlockSizes
-from .. import kernel_calls
+from .. import features, kernel_calls
 from ..kernels import arguments, vmem
 from ..request import Request
 from .compiler import Compiled, compile_jax
 
-BIAS_KINDS = (None, "full", "broadcast")  # full: (batch, q_heads, q_len, kv_len); broadcast: (1, q_heads, 1, kv_len)
 
+class _Attention:
+    """The shape and features of one attention call, as ``flash_attention`` would get it.
 
-@dataclasses.dataclass(frozen=True)
-class Attention:
-    """The shape and features of one attention call, as ``flash_attention`` would get it."""
-
-    batch: int
-    q_heads: int
-    kv_heads: int
-    q_len: int
-    kv_len: int
-    head_dim: int
-    dtype: str = "bfloat16"  # "float32" or "bfloat16", the dtypes the kernels take
-    causal: bool = False
-    window: tuple[int | None, int | None] | None = None
-    softcap: float | None = None
-    segments: bool = False
-    bias: str | None = None
-    dropout_p: float = 0.0
+    Fields: batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype ("float32" or "bfloat16", the dtypes the
+    kernels take; default "bfloat16"), then each feature's AOT field (torchattn/features.py, ``Flag``): causal,
+    window, softcap, segments (bool), bias (None, "full": (batch, q_heads, q_len, kv_len) or "broadcast":
+    (1, q_heads, 1, kv_len)), dropout_p.
+    """
 
     def request(self, block_sizes: BlockSizes | None = None, generation: str | None = None) -> Request:
         """The call as ``flash_attention``'s own validation gives it to a backend on ``generation`` (meta
@@ -42,16 +31,11 @@ class Attention:
         meta = dict(device="meta", dtype=getattr(torch, self.dtype))
         q = torch.empty(self.batch, self.q_heads, self.q_len, self.head_dim, **meta)
         k = torch.empty(self.batch, self.kv_heads, self.kv_len, self.head_dim, **meta)
-        bias = {None: None,
-                "full": torch.empty(self.batch, self.q_heads, self.q_len, self.kv_len, device="meta"),
-                "broadcast": torch.empty(1, self.q_heads, 1, self.kv_len, device="meta")}[self.bias]
-        ids = [torch.empty(self.batch, n, device="meta", dtype=torch.int32) if self.segments else None
-               for n in (self.q_len, self.kv_len)]
+        given = {}
+        for flag in flags():
+            given.update(flag.arguments(getattr(self, flag.field), self))
         blocks = block_sizes if block_sizes is not None else self.default_block_sizes(generation)
-        request = validated(q, k, k, causal=self.causal, window=self.window, segment_ids=ids[0], kv_segment_ids=ids[1],
-                            softcap=self.softcap, bias=None if bias is None else bias.requires_grad_(),
-                            dropout_p=self.dropout_p, dropout_seed=0 if self.dropout_p > 0 else None,
-                            block_sizes=blocks)
+        request = validated(q, k, k, block_sizes=blocks, **given)
         request.options = dataclasses.replace(request.options, block_sizes=blocks, generation=generation)
         return request
 
@@ -69,6 +53,18 @@ class Attention:
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
+
+
+def flags() -> list[features.Flag]:
+    """The features' AOT flags, in declaration order."""
+    return [feature.flag for feature in features.FEATURES if feature.flag is not None]
+
+
+Attention = dataclasses.make_dataclass(
+    "Attention", [*((name, "int") for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")),
+                  ("dtype", "str", dataclasses.field(default="bfloat16")),
+                  *((flag.field, "object", dataclasses.field(default=flag.default)) for flag in flags())],
+    bases=(_Attention,), namespace={"__doc__": _Attention.__doc__, "__module__": __name__}, frozen=True)
 
 
 def argument_structs(spec):

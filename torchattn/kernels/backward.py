@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import generations
 from . import arguments, vmem
-from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes, load,
+from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
                      pallas_function, q_grid_coords, tile_paths)
 from .cost import dkv_cost, dq_cost, fused_cost
 
@@ -74,8 +74,7 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     """
     # (block_q, block_kv): each row's lse and delta, held in all 128 lanes, repeated as whole vregs.
     lse, delta = (lanes(inputs[name][...], k.shape[0]) for name in ("lse", "delta"))
-    s, keep, capped = block_scores(spec, key_ref, q, k, q_block, kv_block, load(inputs.get("segment_ids")),
-                                   load(inputs.get("kv_segment_ids")), load(inputs.get("bias")), masked)
+    s, keep, capped = block_scores(spec, key_ref, inputs, q, k, q_block, kv_block, masked)
     p = jnp.exp(s - lse)  # (block_q, block_kv)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)  # lse is not -inf where keep
@@ -187,8 +186,7 @@ def fused(spec: KernelSpec) -> bool:
         return True
     chip = generations.get(spec.options.generation)
     partials = spec.batch * spec.q_heads * spec.blocks.dq_partial_slots * spec.q_pad * spec.head_dim * 4
-    operands = vmem.Operands(head_dim=spec.head_dim, dtype=spec.dtype, extra=spec.arrays[3:],
-                             dropout=spec.options.dropout_p > 0, softcap=spec.options.softcap is not None)
+    operands = vmem.Operands.of(spec.head_dim, spec.dtype, spec.arrays, spec.options)
     return (partials <= PARTIALS_HBM_FRACTION * chip.hbm_bytes
             and vmem.kernel_bytes(vmem.FUSED, operands, spec.block_q, spec.block_kv) <= chip.usable_vmem_bytes)
 

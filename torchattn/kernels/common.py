@@ -127,11 +127,12 @@ def global_rows(spec: KernelSpec, key_ref, q_block, rows):
     return rows + spec.geometry(key_ref).row_shift(q_block) if spec.sequence_shard else rows
 
 
-def block_scores(spec: KernelSpec, key_ref, q, k, q_block, kv_block, q_ids, kv_ids, bias, masked: bool):
+def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_block, masked: bool):
     """Scores and visibility of one (block_q, block_kv) tile.
 
-    q: (block_q, head_dim), k: (block_kv, head_dim); q_ids: (block_q, LANES) or None;
-    kv_ids: (SUBLANES, block_kv) or None; bias: (block_q or 1, block_kv or 1) or None.
+    inputs: the kernel's input refs by name (kernels/arguments.py): the segment ids' blocks, (block_q, LANES)
+    and (SUBLANES, block_kv), when the call has them, and every per-pair input's (block_q or 1, block_kv or 1)
+    block, each added to the scores (a bias); q: (block_q, head_dim), k: (block_kv, head_dim), loaded.
     ``masked``: False on a full tile (:func:`tile_paths`), which needs no band or padding mask, only the
     segment ids' compare if there are ids. Returns (scores float32 with masked entries -inf, visible bool or
     None when nothing is masked, capped tanh or None); the tanh is kept for the softcap gradient.
@@ -144,8 +145,10 @@ def block_scores(spec: KernelSpec, key_ref, q, k, q_block, kv_block, q_ids, kv_i
     if options.softcap is not None:
         capped = jnp.tanh(s / options.softcap)
         s = options.softcap * capped
-    if bias is not None:
-        s = s + bias.astype(jnp.float32)
+    for array in spec.arrays:  # each per (q, kv) pair input is an additive term of the logits
+        if array.role == PAIRS:
+            s = s + inputs[array.name][...].astype(jnp.float32)
+    q_ids, kv_ids = load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids"))
     if q_ids is not None:
         # (block_q, block_kv) both, by repeating whole vregs: the query ids fill all 128 lanes of their rows,
         # the key ids all 8 sublanes of their columns (kernels/arguments.py).

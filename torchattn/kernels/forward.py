@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES
 from . import arguments
-from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes, load,
+from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
                      pallas_function, q_grid_coords, tile_paths)
 from .cost import forward_cost
 
@@ -33,9 +33,8 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     def tile(masked: bool):
-        s, _, _ = block_scores(spec, key_ref, inputs["q"][...], inputs["k"][...], q_block, kv_block,
-                               load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids")),
-                               load(inputs.get("bias")), masked)  # s: (block_q, block_kv)
+        s, _, _ = block_scores(spec, key_ref, inputs, inputs["q"][...], inputs["k"][...], q_block, kv_block,
+                               masked)  # s: (block_q, block_kv)
         # The running max and denominator stay (block_q, 128), each row's value in all its lanes: widening
         # them to a tile repeats whole vregs, where a (block_q, 1) column would be broadcast lane by lane.
         m_prev, l_prev = m_ref[...], l_ref[...]

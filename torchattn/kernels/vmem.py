@@ -108,6 +108,13 @@ class Operands:
     dropout: bool = False
     softcap: bool = False
 
+    @classmethod
+    def of(cls, head_dim: int, dtype: str, arrays: tuple[arguments.Array, ...], options) -> Operands:
+        """The operands of a call whose kernels take ``arrays`` (q, k, v first) with these Options
+        (torchattn.request): what of them costs VMEM is read here, once."""
+        return cls(head_dim=head_dim, dtype=dtype, extra=arrays[3:], dropout=options.dropout_p > 0,
+                   softcap=options.softcap is not None)
+
     def __post_init__(self):
         if self.dtype not in _ITEMSIZE:
             raise ValueError(f"Operands.dtype: expected one of {sorted(_ITEMSIZE)}, got {self.dtype!r}")

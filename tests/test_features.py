@@ -133,16 +133,22 @@ print(json.dumps(seen))
 """
 
 
-def test_a_static_option_declared_once_is_validated_carried_keyed_and_refused_until_served(tmp_path):
+def _printed_with_declaration(tmp_path, declaration: str, script: str):
+    """What ``script`` (``%r``: the copy's path) prints last, as JSON, run against a copy of the package whose
+    features.py has ``declaration`` appended; no other file of the copy differs."""
     package = tmp_path / "torchattn"
     shutil.copytree(ROOT / "torchattn", package, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(package / "features.py", "a") as declaration:
-        declaration.write(NEW_OPTION)
+    with open(package / "features.py", "a") as features_file:
+        features_file.write(declaration)
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    done = subprocess.run([sys.executable, "-c", CALLS % str(package)], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script % str(package)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = json.loads(done.stdout.splitlines()[-1])
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_static_option_declared_once_is_validated_carried_keyed_and_refused_until_served(tmp_path):
+    seen = _printed_with_declaration(tmp_path, NEW_OPTION, CALLS)
     assert seen["option"] == 2.0 and seen["schema"]  # an Options field, through the custom ops
     assert seen["bad"] == "sharpness: expected a finite float > 0 or None, got -1.0"
     assert seen["key"] == 2.0  # the tune key
@@ -191,15 +197,7 @@ print(json.dumps(errors))
 
 
 def test_a_second_per_pair_input_declared_once_is_added_to_the_logits_by_every_blockwise_backend(tmp_path):
-    package = tmp_path / "torchattn"
-    shutil.copytree(ROOT / "torchattn", package, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(package / "features.py", "a") as declaration:
-        declaration.write(NEW_PAIR_INPUT)
-    env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    done = subprocess.run([sys.executable, "-c", PAIR_CALLS % str(package)], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    errors = json.loads(done.stdout.splitlines()[-1])
+    errors = _printed_with_declaration(tmp_path, NEW_PAIR_INPUT, PAIR_CALLS)
     # out, dq, dk, dv, then each pair input's gradient (the broadcast one summed over its broadcast dims),
     # against float64 with the two terms as one bias: float64 exact to rounding, float32 to its own.
     assert max(errors["xla"]) < 1e-10, errors

@@ -95,9 +95,9 @@ def kernel_q_shapes() -> list:
     shapes = []
     original = torchattn.autograd.apply
 
-    def spy(impl, tensors, options):
+    def spy(backend, tensors, options):
         shapes.append(list(tensors.q.shape))
-        return original(impl, tensors, options)
+        return original(backend, tensors, options)
 
     torchattn.autograd.apply = spy
     return shapes

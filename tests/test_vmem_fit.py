@@ -193,3 +193,21 @@ def test_unknown_kernel_and_dtype_are_refused():
         vmem.kernel_bytes("backward", vmem.Operands(128, "float32"), 128, 128)
     with pytest.raises(ValueError, match=r"Operands.dtype: expected one of \['bfloat16', 'float32'\], got 'float16'"):
         vmem.Operands(128, "float16")
+
+
+@pytest.mark.parametrize("bias_grad", [True, False])
+def test_the_backward_kernels_know_whether_the_bias_gets_a_gradient(device, monkeypatch, bias_grad):
+    """Inside the custom ops torch_xla's tensors never require grad, so the backward's KernelSpec takes the
+    bias's gradient from the op's ``wanted``: it sets the dq kernel's ds output and the VMEM by which the fused
+    backward is chosen (kernels/backward.fused)."""
+    from torchattn.kernels import backward
+
+    seen = []
+    original = backward.fused
+    monkeypatch.setattr(backward, "fused", lambda spec: seen.append(spec.score_grad) or original(spec))
+    q, k, v = (torch.randn(1, 2, 128, 64).to(device).requires_grad_() for _ in range(3))
+    bias = torch.randn(1, 1, 128, 128).to(device).requires_grad_(bias_grad)
+    out = torchattn.flash_attention(q, k, v, bias=bias, backend="interpret")
+    grads = torch.autograd.grad(out.sum(), (q, bias) if bias_grad else (q,))
+    assert seen == [bias_grad]
+    assert all(torch.isfinite(g.cpu()).all() for g in grads)

@@ -32,7 +32,7 @@ import inspect
 
 import torch
 
-from . import internals, spmd
+from . import internals, kernel_calls, spmd
 from .backend import Backend, blockwise
 from .request import Options, Request, Tensors
 from .types import accumulation_dtype
@@ -166,12 +166,14 @@ class FlashAttentionFunction(torch.autograd.Function):
         return (*(grads[name] if name in _ALWAYS or name in wanted else None for name in Tensors.names()), None, None)
 
 
-def apply(impl: str, tensors: Tensors, options: Options):
+def apply(backend: Backend, tensors: Tensors, options: Options):
     """The autograd Function on ``tensors`` (one device's, under SPMD); returns (out, lse)."""
-    return FlashAttentionFunction.apply(*tensors.values(), impl, options.op_arguments())
+    if backend.vmem_checked:
+        kernel_calls.check_fits(tensors, options)
+    return FlashAttentionFunction.apply(*tensors.values(), backend.name, options.op_arguments())
 
 
 def blockwise_attention(request: Request, backend: Backend):
     """Runs ``request`` on a blockwise backend; returns (out, lse or None)."""
-    out, lse = spmd.run(request, functools.partial(apply, backend.name), per_device=backend.per_device)
+    out, lse = spmd.run(request, functools.partial(apply, backend), per_device=backend.per_device)
     return out, (lse if request.return_lse else None)

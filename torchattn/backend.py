@@ -29,7 +29,8 @@ class Backend:
     backward(do, dlse, out, lse, Tensors, Options, wanted) -> {name: gradient}, for a blockwise one
         (``wanted``: the optional gradients asked for; see torchattn.request.Tensors).
     per_device: under SPMD it runs on each device's shard (torchattn/spmd.py), not on global tensors.
-    vmem_checked: block sizes that do not fit the TPU generation's VMEM are refused before it runs.
+    vmem_checked: block sizes that do not fit the TPU generation's VMEM are refused before it runs
+        (torchattn.kernel_calls.check_fits); torchattn.tune searches only the ones that fit.
     """
 
     name: str

@@ -19,13 +19,15 @@ def chunks_of(shard: int, shards: int) -> tuple[int, int]:
     return shard, 2 * shards - 1 - shard
 
 
-def check_length(what: str, length: int, shards: int, balanced: bool) -> None:
-    """ValueError unless ``length`` tokens split evenly over ``shards`` devices (two chunks each when balanced)."""
+def uneven(what: str, length: int, shards: int, balanced: bool) -> str | None:
+    """Why ``length`` tokens do not split evenly over ``shards`` devices (two chunks each when balanced), for
+    the argument ``what``; None when they do."""
     pieces = 2 * shards if balanced else shards
-    if length % pieces:
-        how = f"2 x {shards} chunks (balanced: two per device)" if balanced else f"{shards} devices"
-        raise ValueError(f"{what}: {length} tokens do not split evenly over {how} of the sequence axes; "
-                         f"expected a multiple of {pieces}, got {length}")
+    if length % pieces == 0:
+        return None
+    how = f"2 x {shards} chunks (balanced: two per device)" if balanced else f"{shards} devices"
+    return (f"{what}: {length} tokens do not split evenly over {how} of the sequence axes; "
+            f"expected a multiple of {pieces}, got {length}")
 
 
 def balanced_order(length: int, shards: int) -> torch.Tensor:
@@ -37,7 +39,9 @@ def balanced_order(length: int, shards: int) -> torch.Tensor:
     for name, value in (("length", length), ("shards", shards)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: expected a positive int, got {value!r}")
-    check_length("length", length, shards, balanced=True)
+    why = uneven("length", length, shards, balanced=True)
+    if why is not None:
+        raise ValueError(why)
     chunk = length // (2 * shards)
     order = [c for shard in range(shards) for c in chunks_of(shard, shards)]
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk) for c in order])

@@ -36,20 +36,25 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def kernel_arrays(tensors: Tensors) -> tuple[arguments.Array, ...]:
-    """The call's present tensors (but the per-device dropout key) as the kernels' arrays, in declaration order."""
+def kernel_arrays(tensors: Tensors, wanted: tuple[str, ...] | None = None) -> tuple[arguments.Array, ...]:
+    """The call's present tensors (but the per-device dropout key) as the kernels' arrays, in declaration order.
+    ``wanted``: the per-pair inputs that get a gradient (the backward op's); None: those that require grad,
+    which only the tensors outside the custom ops say (inside, torch_xla's tensors never require grad)."""
+    def grad(field, t):
+        return field.role == PAIRS and field.grad and (t.requires_grad if wanted is None else field.name in wanted)
+
     return tuple(
         arguments.Array(field.name, field.role, heads=field.heads, features=field.features,
                         dtype=_dtype_name(t.dtype),
                         broadcast=tuple(n == 1 for n in t.shape) if field.role == PAIRS else None,
-                        grad=field.role == PAIRS and field.grad and t.requires_grad)
+                        grad=grad(field, t))
         for field, t in zip(Tensors.declared(), tensors.values()) if t is not None and field.role != PER_DEVICE)
 
 
-def vmem_operands(request: Request) -> vmem.Operands:
-    """What, besides block sizes, sets the VMEM the kernels of ``request`` need."""
-    return vmem.Operands.of(request.head_dim, _dtype_name(request.dtype), kernel_arrays(request.tensors()),
-                            request.options)
+def vmem_operands(tensors: Tensors, options: Options) -> vmem.Operands:
+    """What, besides block sizes, sets the VMEM the kernels of a call need."""
+    q = tensors.q
+    return vmem.Operands.of(q.shape[3], _dtype_name(q.dtype), kernel_arrays(tensors), options)
 
 
 def kernel_head_dim(head_dim: int) -> int:
@@ -59,8 +64,10 @@ def kernel_head_dim(head_dim: int) -> int:
     return head_dim if arguments.narrow(head_dim) else round_up(head_dim, LANES)
 
 
-def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, interpret: bool):
-    """The KernelSpec of one call; ``options.generation`` (Mosaic-compiled kernels only) sets the VMEM limit."""
+def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, interpret: bool,
+                wanted: tuple[str, ...] | None = None):
+    """The KernelSpec of one call; ``options.generation`` (Mosaic-compiled kernels only) sets the VMEM limit;
+    ``wanted`` as :func:`kernel_arrays` takes it."""
     from .kernels.common import KernelSpec  # imports jax: only once a kernel actually runs
 
     batch, q_heads, q_len, head_dim = tensors.q.shape
@@ -71,7 +78,7 @@ def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int,
         q_pad=round_up(q_len, block_q), kv_pad=round_up(kv_len, block_kv),
         head_dim=kernel_head_dim(head_dim),
         block_q=block_q, block_kv=block_kv, dtype=_dtype_name(tensors.q.dtype), options=options,
-        arrays=kernel_arrays(tensors), interpret=interpret,
+        arrays=kernel_arrays(tensors, wanted), interpret=interpret,
         vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and not interpret else None)
 
 
@@ -123,6 +130,15 @@ def _present(tensors: Tensors) -> dict[str, torch.Tensor]:
     return {field.name: t for field, t in zip(Tensors.declared(), tensors.values()) if t is not None}
 
 
+def check_fits(tensors: Tensors, options: Options) -> None:
+    """ValueError, with block sizes that fit, when the Mosaic-compiled kernels of a call on a known TPU
+    generation need more VMEM than it has, forward or backward: before any kernel is built, not by the TPU
+    compiler after tracing. Called on the tensors the custom ops get (one device's under SPMD), before them:
+    inside, a per-pair input's requires_grad, which sets the dq kernel's VMEM, is no longer seen."""
+    if options.generation is not None:
+        vmem.check_fits(options.generation, vmem_operands(tensors, options), options.block_sizes)
+
+
 def forward(tensors: Tensors, options: Options, *, interpret: bool):
     from .kernels.forward import forward_call
 
@@ -142,12 +158,13 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
-    spec = kernel_spec(tensors, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret)
+    # The per-pair inputs that get a gradient by ``wanted``: they set the dq kernel's outputs and VMEM (kernels.fused).
+    spec = kernel_spec(tensors, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret, wanted)
     # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
     arrays = dict(_present(tensors), do=do, lse=torch.where(lse == float("-inf"), 0.0, lse),
                   delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
     kernel_args = _kernel_arguments(spec, kernel_key(tensors), arrays, backward=True)
-    pair_grads = [array for array in spec.arrays if array.role == PAIRS and array.name in wanted]
+    pair_grads = [array for array in spec.arrays if array.grad]
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
     if kernels.fused(spec):

@@ -118,65 +118,62 @@ def _axis_names(name: str, value) -> tuple[str, ...]:
     return names
 
 
-def xla_spmd(request: Request) -> bool:
-    """Whether ``request`` runs on an XLA device with SPMD on."""
-    if request.device.type != "xla":
-        return False
-    import torch_xla.runtime as xr
-
-    return xr.is_spmd()
-
-
 UNMARKED = "unmarked"  # SPMD is on and nothing says how q is sharded
 
 
 def resolve(request: Request) -> Sharding | str | None:
     """How ``request``'s inputs are sharded: a Sharding; "whole" (q is replicated, or already
     per device); UNMARKED (SPMD is on, nothing says); None (not SPMD). ValueError for a sharding
-    torchattn cannot run per device (head_dim sharded, sizes not divisible)."""
-    if not xla_spmd(request):
+    q or a :func:`sharded` context states that torchattn cannot run per device (head_dim sharded,
+    sizes not divisible); a global mesh that does not fit is only warned about (it was not stated
+    for attention)."""
+    if request.device.type != "xla":
         return None
-    own = _from_input(request.q)
-    if own is None:
-        own = innermost()
-    if own is None:
-        own = _from_global_mesh(request)
-    if isinstance(own, Sharding):
-        _check(own, request)
-    return UNMARKED if own is None else own
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        return None
+    found, why = _from_input(request.q), None
+    if found is None:
+        found = innermost()
+    stated = found is not None
+    if not stated:
+        found, why = _from_global_mesh()
+    if isinstance(found, Sharding):
+        why = _unfit(found, request)
+        if why is not None and stated:
+            raise ValueError(why)
+        if why is not None:
+            found = None
+    if found is None and why is not None:
+        # The same subject as spmd.run's warning, so a per-device call warns once, with this reason.
+        once.warn(("spmd", "unsharded"),
+                  f"torchattn: SPMD is on and q carries no sharding; no torchattn.sharded(...) context is active, "
+                  f"and the global mesh cannot stand in for one: {why}. The pallas and interpret kernels run on "
+                  "the global tensors on every device (XLA gathers q, k and v). Mark q's sharding or wrap the run "
+                  "in torchattn.sharded(mesh, batch=..., heads=...).", stacklevel=5)
+    return UNMARKED if found is None else found
 
 
-def _from_global_mesh(request: Request) -> Sharding | None:
-    """The sharding a global mesh (``xs.set_global_mesh``) implies, as transformers' Trainer under XLA
+def _from_global_mesh() -> tuple[Sharding | None, str | None]:
+    """(the sharding a global mesh (``xs.set_global_mesh``) implies, None) as transformers' Trainer under XLA
     FSDPv2 sets it: axes ("fsdp", "tensor"), each batch sharded over "fsdp". Batch then goes over "fsdp",
-    heads over "tensor" when it has more than one device. None without a global mesh, or, warned once
-    with the reason, for a mesh that does not say how attention's inputs are laid out."""
+    heads over "tensor" when it has more than one device. (None, None) without a global mesh; (None, why)
+    for a mesh that does not say how attention's inputs are laid out."""
     import torch_xla.distributed.spmd as xs
 
     mesh = xs.get_global_mesh()
     if mesh is None:
-        return None
+        return None, None
     names = tuple(mesh.axis_names or ())
     others = tuple(axis for axis in names if axis not in ("fsdp", "tensor") and ways(mesh, (axis,)) > 1)
+    about = f"its shape {tuple(mesh.mesh_shape)}, axes {names}: "
     if "fsdp" not in names:
-        why = "it has no 'fsdp' axis to cut the batch over"
-    elif others:
-        why = f"its axes {others} are not 'fsdp' or 'tensor', so how they cut the inputs is unknown"
-    else:
-        heads = ("tensor",) if "tensor" in names and ways(mesh, ("tensor",)) > 1 else ()
-        sharding = Sharding(mesh=mesh, batch=("fsdp",), heads=heads)
-        try:
-            _check(sharding, request)
-            return sharding
-        except ValueError as error:
-            why = str(error)
-    # The same subject as run()'s warning, so a per-device call warns once, with this reason.
-    once.warn(("spmd", "unsharded"),
-              f"torchattn: SPMD is on and q carries no sharding; no torchattn.sharded(...) context is active, and "
-              f"the global mesh (shape {tuple(mesh.mesh_shape)}, axes {names}) cannot stand in for one: {why}. "
-              "The pallas and interpret kernels run on the global tensors on every device (XLA gathers q, k and "
-              "v). Mark q's sharding or wrap the run in torchattn.sharded(mesh, batch=..., heads=...).", stacklevel=5)
-    return None
+        return None, about + "it has no 'fsdp' axis to cut the batch over"
+    if others:
+        return None, about + f"its axes {others} are not 'fsdp' or 'tensor', so how they cut the inputs is unknown"
+    heads = ("tensor",) if "tensor" in names and ways(mesh, ("tensor",)) > 1 else ()
+    return Sharding(mesh=mesh, batch=("fsdp",), heads=heads), None
 
 
 def _from_input(q: torch.Tensor):
@@ -236,19 +233,22 @@ def _matching_spec(mesh, tiles, devices):
     return None
 
 
-def _check(sharding: Sharding, request: Request) -> None:
+def _unfit(sharding: Sharding, request: Request) -> str | None:
+    """Why ``request``'s inputs cannot be cut by ``sharding`` (a size its axes do not divide), None if they can."""
     q, k = request.q, request.k
     for what, size, axes in (("batch (dim 0 of q, k, v)", q.shape[0], sharding.batch),
                              ("q_heads (dim 1 of q)", q.shape[1], sharding.heads),
                              ("kv_heads (dim 1 of k, v)", k.shape[1], sharding.heads)):
-        parts = sharding.ways(axes)
+        parts = ways(sharding.mesh, axes)
         if size % parts:
-            raise ValueError(f"{what}: {size} is not divisible by mesh axes {axes} ({parts} devices); "
-                             "expected a multiple of their size")
-    if sharding.sequence:
-        shards = sharding.ways(sharding.sequence)
-        for what, size in (("q_len (dim 2 of q)", q.shape[2]), ("kv_len (dim 2 of k, v)", k.shape[2])):
-            context.check_length(what, size, shards, sharding.balanced)
+            return (f"{what}: {size} is not divisible by mesh axes {axes} ({parts} devices); "
+                    "expected a multiple of their size")
+    shards = ways(sharding.mesh, sharding.sequence)
+    for what, size in (("q_len (dim 2 of q)", q.shape[2]), ("kv_len (dim 2 of k, v)", k.shape[2])):
+        why = context.uneven(what, size, shards, sharding.balanced)
+        if why is not None:
+            return why
+    return None
 
 
 def sequence_sharded(request: Request) -> bool:

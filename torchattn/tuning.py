@@ -153,7 +153,8 @@ def _search(request, backend: str, seconds: Callable[[BlockSizes], float]) -> Bl
     forward_pairs, backward_pairs = pairs, pairs
     if backends.BACKENDS[backend].vmem_checked and generation is not None:  # would be refused at the call
         available = generations.get(generation).usable_vmem_bytes
-        needs = functools.partial(vmem.kernel_bytes, operands=kernel_calls.vmem_operands(request))
+        operands = kernel_calls.vmem_operands(request.tensors(), request.options)
+        needs = functools.partial(vmem.kernel_bytes, operands=operands)
 
         def fit(kernels):
             return [(bq, bkv) for bq, bkv in pairs

@@ -49,7 +49,8 @@ class _Attention:
 
     def vmem_operands(self) -> vmem.Operands:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
-        return kernel_calls.vmem_operands(self.request())
+        request = self.request()
+        return kernel_calls.vmem_operands(request.tensors(), request.options)
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autograd, devices, kernel_calls, once, sharding
+from .. import autograd, devices, once, sharding
 from ..backend import Backend
-from ..kernels import vmem
 from ..request import Request
 from . import interpret, pallas, reference, sdpa, xla
 
@@ -95,7 +94,4 @@ def run(request: Request, backend: Backend):
     """(out, lse or None) of ``request`` on ``backend``."""
     if not backend.blockwise:
         return backend.dense(request)
-    generation = request.options.generation
-    if backend.vmem_checked and generation is not None:
-        vmem.check_fits(generation, kernel_calls.vmem_operands(request), request.options.block_sizes)
     return autograd.blockwise_attention(request, backend)

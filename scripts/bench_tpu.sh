@@ -5,7 +5,8 @@
 #   bash scripts/bench_tpu.sh [--dry-run] [--generation NAME] [--out PATH] [--] [bench_attention.py flags...]
 #   bash scripts/bench_tpu.sh --lengths 1024 8192 --dtypes bfloat16
 #
-# 1. TORCHATTN_EXTRAS=tpu,dev bash scripts/env.sh: the tpu extra (libtpu, the TPU runtime of torch_xla and jax).
+# 1. TORCHATTN_EXTRAS=xla,dev bash scripts/env.sh: the xla extra (torch_xla, and libtpu: the TPU runtime of torch_xla
+#    and jax).
 # 2. The TPU generation from the device kind (torchattn.devices.tpu_generation), unless --generation or
 #    --out.
 # 3. PJRT_DEVICE=TPU .venv/bin/python scripts/bench_attention.py --implementations torchattn-pallas
@@ -59,7 +60,7 @@ run() {
     [[ $dry_run == 1 ]] || "$@"
 }
 
-run env TORCHATTN_EXTRAS=tpu,dev bash scripts/env.sh
+run env TORCHATTN_EXTRAS=xla,dev bash scripts/env.sh
 
 if [[ -z $out ]]; then
     if [[ -z $generation ]]; then

@@ -54,13 +54,16 @@ def measure(generation: str) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--generation", action="append", choices=("v4", "v5e", "v5p", "v6e"),
-                        help="repeatable; default every generation")
+    sys.path.insert(0, ROOT)
+    from torchattn import generations as table
+
+    parser.add_argument("--generation", action="append", choices=sorted(table.GENERATIONS),
+                        help="repeatable; default every generation this environment's libtpu compiles for")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "mxu-calibration.csv"))
     parser.add_argument("--jobs", type=int, default=2, help="generations compiled at once (one process each)")
     args = parser.parse_args(argv)
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    generations = args.generation or ["v4", "v5e", "v5p", "v6e"]
+    generations = args.generation or table.compile_targets()
     # A process per generation: libtpu reads its dump flag once, when it loads.
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                                                 max_tasks_per_child=1) as pool:

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Environment bootstrap, idempotent: run it (bash scripts/env.sh), don't source it.
+# Environment bootstrap, idempotent: run it (bash scripts/env.sh [current]), don't source it.
 #
-# - Creates .venv in the checkout with Python 3.11 when it is missing.
-# - Runs `pip install -c scripts/constraints-xla.txt -e '.[EXTRAS]'` only when setup.cfg,
+# Two environments from one checkout (docs/versions.md):
+#   bash scripts/env.sh           .venv, torch_xla's stack (extra "xla"): the whole product
+#   bash scripts/env.sh current   .venv-current, TorchTPU's stack (extra "current"): the kernels, patches, aot
+#
+# - Creates the venv in the checkout with Python 3.11 when it is missing.
+# - Runs `pip install -c scripts/constraints-STACK.txt -e '.[EXTRAS]'` only when setup.cfg,
 #   pyproject.toml, the constraints, the extras or the venv's Python changed since the last
 #   successful install (a hash stamp in .venv, written only after pip succeeds). The
 #   constraints hold every package at the version the suite passed with, so a new release
@@ -14,7 +18,8 @@
 #   needs them, not only the tests. That file is part of the stamp, so editing it
 #   reinstalls (~125 MB to download, ~205 MB installed).
 #
-# TORCHATTN_EXTRAS picks the extras, default "dev"; on a TPU VM use "tpu,dev".
+# TORCHATTN_EXTRAS picks the extras, default "xla,dev" (current: "current,dev"); a TPU VM that only trains
+# needs "xla".
 if [[ "${BASH_SOURCE[0]}" != "$0" ]]; then
     echo "scripts/env.sh: run it with bash, don't source it" >&2
     return 1
@@ -22,11 +27,16 @@ fi
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-venv=.venv
+case "${1:-xla}" in
+    xla) venv=.venv ;;
+    current) venv=.venv-current ;;
+    *) echo "env: expected no argument (torch_xla's stack) or 'current' (TorchTPU's), got '$1'" >&2; exit 2 ;;
+esac
+stack=${1:-xla}
 stamp=$venv/.torchattn-install-stamp
-extras=${TORCHATTN_EXTRAS:-dev}
+extras=${TORCHATTN_EXTRAS:-$stack,dev}
 offline_packages=scripts/offline-packages.txt
-constraints=scripts/constraints-xla.txt
+constraints=scripts/constraints-$stack.txt
 
 is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; }
 

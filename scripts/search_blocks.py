@@ -155,16 +155,19 @@ def _cell(value):
 
 
 def main(argv=None) -> int:
+    sys.path.insert(0, ROOT)
+    from torchattn import generations
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--generation", nargs="+", default=["v5e", "v6e", "v4", "v5p"],
-                        choices=["v5e", "v6e", "v4", "v5p"])
+    parser.add_argument("--generation", nargs="+", default=generations.compile_targets(),
+                        choices=sorted(generations.GENERATIONS),
+                        help="default: every generation this environment's libtpu compiles for (v7x: .venv-current)")
     parser.add_argument("--implementation", nargs="+", default=["torchattn"], choices=IMPLEMENTATIONS)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, choices=SIZES,
                         help="the block sizes to pair (default: all)")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
     args = parser.parse_args(argv)
-    sys.path.insert(0, ROOT)
     from torchattn.aot import schedule
 
     schedule.enable_dump()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Train on an existing TPU VM pod slice: copy this checkout to every worker, set up the
-# environment there (scripts/env.sh with the tpu extra), then run the same `python -m train`
+# environment there (scripts/env.sh with the xla extra), then run the same `python -m train`
 # on every worker at once (SPMD: one process per host). Creates nothing and deletes nothing:
 # the TPU VM must exist (gcloud compute tpus tpu-vm create ...), and stays when this ends.
 #
@@ -85,7 +85,7 @@ if [[ $dry_run == 0 ]]; then
 fi
 run gcloud compute tpus tpu-vm scp "$archive" "$name:$archive_name" --zone "$zone" "${project[@]}" --worker=all
 on_all_workers "mkdir -p ~/$remote_dir && tar -xzf ~/$archive_name -C ~/$remote_dir && rm ~/$archive_name \
-&& cd ~/$remote_dir && TORCHATTN_EXTRAS=tpu bash scripts/env.sh"
+&& cd ~/$remote_dir && TORCHATTN_EXTRAS=xla bash scripts/env.sh"
 train="cd ~/$remote_dir && PJRT_DEVICE=TPU .venv/bin/python -m train"
 if [[ ${#train_flags[@]} -gt 0 ]]; then
     train+=" $(quoted "${train_flags[@]}")"

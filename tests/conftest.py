@@ -1,6 +1,7 @@
 """Suite-wide setup. The environment defaults run before any test module imports torch_xla,
 so plain `pytest` behaves like scripts/test.sh."""
 
+import importlib.util
 import os
 import sys
 
@@ -20,6 +21,10 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
+# torch 2.14 imports every installed device backend with torch (its autoload): in .venv-current that is torch_tpu,
+# which prints warnings on every process's stderr (tests read some children's stderr line by line) and loads libtpu.
+# Tests that need TorchTPU import torch_tpu themselves.
+os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 # Two pytest-xdist workers (scripts/test.sh), and the processes tests start, each load libtpu for compile-only
 # TPU programs; without this libtpu refuses all but the first ("libtpu multi-process lockfile").
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -37,12 +42,22 @@ def pytest_configure(config):
     config.pluginmanager.register(suite_report.SuiteReport(config), "suite_report")
 
 
+# The suite runs in both environments (scripts/test.sh): .venv-current has no torch_xla.
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+
+
 def pytest_collection_modifyitems(config, items):
     """The modules setup.cfg's ``first_modules`` lists run first, in its order (under pytest-xdist each
-    module runs on one worker: the longest started first, the workers finish together); skip
+    module runs on one worker: the longest started first, the workers finish together); without torch_xla,
+    skip the tests that need it (``@pytest.mark.xla``, or taking the ``device`` fixture); skip
     ``@pytest.mark.tpu`` tests unless PJRT_DEVICE=TPU (decided without touching a device)."""
     rank = {name: i for i, name in enumerate(config.getini("first_modules"))}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    if not HAS_TORCH_XLA:
+        no_xla = pytest.mark.skip(reason="needs torch_xla: runs in .venv (torch_xla's stack), not .venv-current")
+        for item in items:
+            if item.get_closest_marker("xla") or "device" in getattr(item, "fixturenames", ()):
+                item.add_marker(no_xla)
     if os.environ["PJRT_DEVICE"].upper() == "TPU":
         return
     skip = pytest.mark.skip(reason=f"needs a real TPU (PJRT_DEVICE={os.environ['PJRT_DEVICE']}, not TPU)")
@@ -93,10 +108,23 @@ def _no_tuned_block_sizes(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def device():
-    """The XLA device (XLA:CPU here) for tests that need torch_xla."""
+    """The XLA device (XLA:CPU here) for tests that need torch_xla (skipped without it)."""
     import torch_xla
 
     return torch_xla.device()
+
+
+@pytest.fixture(scope="session")
+def kernel_device():
+    """Where the ``interpret`` backend runs the Pallas kernels in this environment: the XLA device (through
+    torch_xla's call_jax) under torch_xla, else the CPU (through JAX, by DLPack)."""
+    if HAS_TORCH_XLA:
+        import torch_xla
+
+        return torch_xla.device()
+    import torch
+
+    return torch.device("cpu")
 
 
 @pytest.fixture(scope="session")

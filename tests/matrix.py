@@ -55,3 +55,19 @@ def _case(values) -> Case:
     (q_len, kv_len), (q_heads, kv_heads) = values.pop("lengths"), values.pop("heads")
     batch = 1 if max(q_len, kv_len) >= 1000 else 2  # keeps the long cases cheap on CPU
     return Case(batch=batch, q_len=q_len, kv_len=kv_len, q_heads=q_heads, kv_heads=kv_heads, **values)
+
+
+def tpu_generations() -> list[str]:
+    """The generations this environment's compile sweeps cover: in .venv every one its libtpu compiles for; in
+    .venv-current only those no other stack's libtpu compiles for (v7x): the others are swept in .venv."""
+    from torchattn import _versions, generations
+
+    here = generations.compile_targets()
+    if _versions.installed_stack() == "xla":
+        return here
+    return [name for name in here if "xla" not in generations.get(name).stacks]
+
+
+# The generation the whole feature matrix is compiled for in this environment (tests/test_tpu_compile.py): v5e,
+# the chip every comparison is made on, where its libtpu compiles it, else the newest generation swept here.
+MATRIX_GENERATION = "v5e" if "v5e" in tpu_generations() else tpu_generations()[-1]

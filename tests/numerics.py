@@ -108,7 +108,7 @@ def floors(magnitude: float, case_magnitude: float, head_dim: int, dtype: torch.
     return accumulation + rounding, accumulation + (rounding if magnitude == 0 else 0.0)
 
 
-def _sync(t: torch.Tensor):
+def sync(t: torch.Tensor):
     """One XLA graph for everything pending; `.cpu()` per tensor would compile one each."""
     if t.device.type == "xla":
         import torch_xla
@@ -173,10 +173,10 @@ def results(case: Case, attention, device=None, seed: int = 0, grads: bool = Tru
         if not grads:
             with torch.no_grad():
                 out = fn(*args, **kw)
-            _sync(out)
+            sync(out)
             return named(out.cpu().double())
         out, gs = _grads(lambda: fn(*args, **kw), *args, do.to(fn_device, dtype), bias)
-        _sync(out)
+        sync(out)
         return named(out.cpu().double(), [g.cpu().double() for g in gs])
 
     def ref(q_, k_, v_, upcast, **kw):

@@ -69,13 +69,14 @@ def test_every_feature_flag_compiles():
 
 
 def test_generation_all_takes_each_generations_defaults_under_the_given_blocks():
+    """'all': each generation this environment's libtpu compiles for (v7x only in .venv-current)."""
     result = run_cli("--generation", "all", "--q-heads", "2", "--head-dim", "128", "--seq-len", "512",
                      "--block-kv-bwd", "128", "--backward", "split")
     assert result.returncode == 0, result.stderr
     rows = table(result.stdout)
     assert [(row["generation"], row["kernel"]) for row in rows] == [
-        (name, kernel) for name in generations.GENERATIONS for kernel in KERNELS]
-    for name in generations.GENERATIONS:
+        (name, kernel) for name in generations.compile_targets() for kernel in KERNELS]
+    for name in generations.compile_targets():
         defaults = BlockSizes.default(512, 512, 128, name)
         blocks = expected_blocks(BlockSizes(defaults.block_q, defaults.block_kv, defaults.block_q_bwd, 128))
         assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows if row["generation"] == name} \
@@ -128,9 +129,11 @@ def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason():
 
 
 def test_sequence_too_long_for_hbm_exit_1_with_the_compilers_reason():
-    """3 * 2**17 tokens: the backward kernels' arguments alone need 19.5 GiB; a v5e chip has 16."""
+    """3 * 2**17 tokens: the backward kernels' arguments alone need 19.5 GiB; a v5e chip has 16. libtpu 0.0.21
+    says "memory space hbm", 0.0.52 "Ran out of memory on HBM"."""
     result = run_cli("--generation", "v5e", *LLAMA_8K, f"--seq-len={3 * 2**17}")
-    assert_one_line_failure(result, "v5e", "RESOURCE_EXHAUSTED", "memory space hbm")
+    assert_one_line_failure(result, "v5e", "RESOURCE_EXHAUSTED")
+    assert "memory space hbm" in result.stderr or "Ran out of memory on HBM" in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("flag, value, says", [

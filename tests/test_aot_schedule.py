@@ -1,9 +1,10 @@
 """Kernel speed from libtpu's schedule (torchattn.aot.schedule): the method checked against kernels whose
-answer is known, and the reader's refusal of files that are not what libtpu 0.0.21 writes.
+answer is known, and the reader's refusal of files that are not what libtpu 0.0.21 or 0.0.52 writes.
 
 The compiles run in one process (tests/schedule_probe.py): libtpu reads its dump flag when it loads.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -190,12 +191,200 @@ def test_a_flag_is_not_a_grid_index(tmp_path):
     ("bundles", BUNDLES.replace("   0x5   : > { %v1_v0 = vmov 0.0 }\n", ""), "bundle 0x6 out of order"),
     ("bundles", BUNDLES.replace("/* loop exit test */", ""), "loop exit test"),
     ("bundles", BUNDLES.replace("   0x6 PF:", "   0x6   :"), "without 'PF:'"),
+    ("bundles", BUNDLES.replace("   0x5   : > {", "   0x5 LB: >> {"), "bundle 0x5: a second loop ('LB:')"),
     ("analysis", ANALYSIS.replace("total scheduled", "scheduled"), "total scheduled bundles"),
     ("utilization", UTILIZATION.replace("VALU", "VPU"), "CAPACTIY"),
-], ids=["missing_bundle", "no_exit_test", "no_fallthrough", "no_total", "unknown_unit"])
+], ids=["missing_bundle", "no_exit_test", "no_fallthrough", "second_loop", "no_total", "unknown_unit"])
 def test_a_file_not_as_libtpu_0_0_21_writes_it_is_refused_naming_it(tmp_path, part, broken, says):
     write_dump(tmp_path, **{part: broken})
     with pytest.raises(schedule_dump.DumpFormatError) as error:
         schedule_dump.read(tmp_path, "42")
     message = str(error.value)
     assert says in message and "libtpu 0.0.21" in message and str(tmp_path / "42-run.1-") in message
+
+
+# The same as libtpu 0.0.52 writes them, cut from its dump of torchattn's causal forward on v7x to 15 bundles: a
+# branch's target is a region, a copy is smov.u32 and may carry a comment. Bundles 0x5-0x9 are skipped unless a
+# flag (the pipeline's) is 0, on every step; inside them 0x8 unless the grid index is 0 (once per row). The
+# utilization file has finer units than 0.0.21's; bundle 0x8's row is a real one.
+BUNDLES_0_0_52 = """= control target key start
+LH: loop header
+LB: loop body
+LE: loop exit
+PB: predicated region body
+PF: predicated region fallthrough
+CT: control target
+= control target key end
+
+     0   :  { %s17104_s28 = smov.u32 0 /* copy for cssa */ } /* Start region 59 */
+   0x1 LB: > { %s17018_s28 = sphi %s17104_s28, %s35039_s28 /* phi copy */ }
+   0x2   : > { %s31795_s17 = scalar_select /*predicate=*/%p17305_p4, /*on_true=*/1, /*on_false=*/0 }
+   0x3   : > { %p31797_p11 = scmp.ne.s32.totalorder %s31795_s17, 0 }
+   0x4   : > { %490 = sbr.rel (%p31797_p11) target = $region32 }
+   0x5   : > { %p13535_p10 = scmp.ne.s32.totalorder %s17018_s28, 0 }
+   0x6   : > { %v17049_v0 = vmov (!%p13535_p10), -inf /* materialized constant */ }
+   0x7   : > { %654 = sbr.rel (%p13535_p10) target = $region44 }
+   0x8   : > { %655 = vst [vmem:[#allocation3] sm:$0xff] /*vst_source=*/%v17049_v0 }
+   0x9 PF: > { %s17570_s13 = sshll.u32 %s17018_s28, 9 } /* Start/End empty region 44 :: Start region 45 */
+   0xa PF: > { %p30753_p4 = scmp.ge.s32.totalorder %s34_s9, 6 /* loop exit test */ } /* Start/End empty region 32 */
+   0xb   : > { %33 = sbr.rel (!%p30753_p4) target = $region127 }
+   0xc   :  {}
+   0xd   : > { %s35039_s28 = smov.u32 %s17018_s28 /* copy for cssa :: phi copy :: phi copy */ } /* End region 3 */
+   0xe   :  { %13260 = vsyncpa [#allocation8], 1 }
+"""
+ANALYSIS_0_0_52 = ANALYSIS.replace("11", "15")
+IDLE_0_0_52 = "0 0 0 0 0 0 0 0 0 0 2\n"
+UTILIZATION_0_0_52 = ("== CAPACTIY:\n"
+                      "MATMUL, MATPUSH, XLU, VALU, VPOP, EUP, VLOAD, VLOAD:FILL, VSTORE, VSTORE:SPILL, SALU\n"
+                      "    2     2     2     4     2     1     3     3     2     2     2\n== UTILIZATION:\n"
+                      + IDLE_0_0_52 * 8 + "2 1 2 4 2 0 3 3 1 1 0\n" + IDLE_0_0_52 * 6)
+
+
+def write_dump_0_0_52(directory: Path, bundles: str = BUNDLES_0_0_52, utilization: str = UTILIZATION_0_0_52) -> Path:
+    return write_dump(directory, bundles, ANALYSIS_0_0_52, utilization)
+
+
+def test_reader_reads_libtpu_0_0_52s_files(tmp_path):
+    read = schedule_dump.read(write_dump_0_0_52(tmp_path), "42")
+    assert (read.total_bundles, read.body_first, read.body_last, read.loop_trips) == (15, 1, 13, 6)
+    assert read.once_per_row_bundles() == [8]
+    assert read.step_bundles() == [1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13]
+    assert [(r.first, r.last) for r in read.path_regions()] == [(5, 9)]
+
+
+def test_libtpu_0_0_52s_units_are_read_as_0_0_21s(tmp_path):
+    """MXU is MATMUL, without MATPUSH; LOAD and STORE are VLOAD and VSTORE, whose spill part VLOAD:FILL and
+    VSTORE:SPILL are; VPOP is not read."""
+    read = schedule_dump.read(write_dump_0_0_52(tmp_path), "42")
+    assert read.capacity == {"MXU": 2, "XLU": 2, "VALU": 4, "EUP": 1, "LOAD": 3, "STORE": 2, "SALU": 2}
+    assert read.unit_slots([8]) == {"MXU": 2, "XLU": 2, "VALU": 4, "EUP": 0, "LOAD": 3, "STORE": 1, "SALU": 0}
+    assert read.usage[0] == (0, 0, 0, 0, 0, 0, 2)
+
+
+def test_a_pf_ends_each_region_libtpu_0_0_52_names_as_landing_there(tmp_path):
+    """0.0.52 gives each branch its own target, and names all those landing at a 'PF:' there (as in its dump of
+    the split backward's dq kernel: "Start/End empty region 60 :: Start/End empty region 44")."""
+    one_landing = BUNDLES_0_0_52.replace(
+        "   0x9 PF: > { %s17570_s13 = sshll.u32 %s17018_s28, 9 } /* Start/End empty region 44 :: Start region 45 */",
+        "   0x9   : > { %s17570_s13 = sshll.u32 %s17018_s28, 9 }").replace(
+        "/* Start/End empty region 32 */", "/* Start/End empty region 44 :: Start/End empty region 32 */")
+    read = schedule_dump.read(write_dump_0_0_52(tmp_path, bundles=one_landing), "42")
+    assert [(r.first, r.last, r.once_per_row) for r in read.regions] == [(5, 9, False), (8, 9, True)]
+
+
+@pytest.mark.parametrize("flag", ["%s31795_s17 = smov.u32 %s31790_s16 /* copy for cssa */",
+                                  "%s31795_s17 = sld [smem:[#allocation44_spill]] /* copy for cssa */"],
+                         ids=["copy", "reload"])
+def test_a_flag_copied_as_libtpu_0_0_52_writes_it_is_not_a_grid_index(tmp_path, flag):
+    defined = BUNDLES_0_0_52.replace(
+        "%s17104_s28 = smov.u32 0 /* copy for cssa */",
+        "%s31790_s16 = scalar_select /*predicate=*/%p17305_p4, /*on_true=*/1, /*on_false=*/0  ;;  "
+        "%31778 = sst [smem:[#allocation44_spill]] %s31790_s16")
+    copied = defined.replace("%s31795_s17 = scalar_select /*predicate=*/%p17305_p4, /*on_true=*/1, /*on_false=*/0",
+                             flag)
+    read = schedule_dump.read(write_dump_0_0_52(tmp_path, bundles=copied), "42")
+    assert read.once_per_row_bundles() == [8]
+
+
+@pytest.mark.parametrize("part, broken, says", [
+    ("utilization", UTILIZATION_0_0_52.replace("VPOP", "VPOP:MRB"), "CAPACTIY"),
+    ("utilization", UTILIZATION_0_0_52.replace("MATMUL, MATPUSH", "MATPUSH, MATMUL"), "CAPACTIY"),
+    ("utilization", UTILIZATION_0_0_52.replace("2 1 2 4 2 0 3 3 1 1 0", "2 1 2 4 2 0 1 3 1 1 0"),
+     "more VLOAD:FILL slots than VLOAD slots"),
+    ("utilization", UTILIZATION_0_0_52.replace("2 1 2 4 2 0 3 3 1 1 0", "2 2 4 0 3 1 0"), "rows of 11 slot counts"),
+    ("bundles", BUNDLES_0_0_52.replace("target = $region44", "target bundleno = 9 (0x9), region = 44"),
+     "a branch ('sbr.') not written as libtpu 0.0.52's are"),
+    ("bundles", BUNDLES_0_0_52.replace("Start/End empty region 44", "Start/End empty region 45"),
+     "bundle 0x9: 'PF:' does not name the target of the innermost region's branch (44)"),
+], ids=["unknown_unit", "reordered_units", "fill_above_load", "row_of_0_0_21s_units", "branch_as_0_0_21s",
+        "landing_unnamed"])
+def test_a_file_not_as_libtpu_0_0_52_writes_it_is_refused_naming_it(tmp_path, part, broken, says):
+    write_dump_0_0_52(tmp_path, **{part: broken})
+    with pytest.raises(schedule_dump.DumpFormatError) as error:
+        schedule_dump.read(tmp_path, "42")
+    message = str(error.value)
+    assert says in message and "libtpu 0.0.21's and 0.0.52's" in message and str(tmp_path / "42-run.1-") in message
+
+
+# An XLA fusion's loops inside its loop, cut from libtpu 0.0.52's dump of the fused backward's dq reduction
+# (select_reduce_fusion; causal, 8192 tokens, 32 heads, head_dim 64, blocks 512) on v7x to 27 bundles (most
+# bundles cut to a few instructions, some moved within their loop). Unless %p18747_p11 (the first partial of an
+# output block) it skips zeroing the block's 512 rows: the loop at 0x8 ('>>') stores 64 rows a trip, stepping
+# %s378_s28 by 64 from 0 until past 504 - 56 (the block's last 8 rows at $0x1f8, less the trip's last store's
+# offset): 8 trips; the remainder loop at 0x11 would store 8 rows a trip (none are left: its region is skipped,
+# but is read as taken, its body once). Neither writes a '/* loop exit test */'.
+NESTED_0_0_52 = BUNDLES_0_0_52.split("\n\n")[0] + """
+
+     0   :  { %s18651_s29 = smov.u32 0 /* copy for cssa */ } /* End region 1360 */
+   0x1 LB: > { %s18563_s29 = sphi %s18651_s29, %s30_s29 /* phi copy */ } /* Start region 1365 */
+   0x2   : > { %s17773_s7 = sshll.u32 %s18495_s12, 8  ;;  %359 = sbr.rel (!%p18747_p11) target = $region32 }
+   0x3   : > { %s18589_s16 = smov.u32 (%p18747_p11), [#allocation5] /* materialized constant */ }
+   0x4   : > { %s18891_s30 = ssub.s32 (%p18747_p11), [#allocation5 + $0x1f8], %s18589_s16 } /* End region 29 */
+   0x5   : > { %s16399_s0 = sadd.s32 (%p18747_p11), 4294967240, %s18891_s30 }
+   0x6   : > { %s18569_s6 = smov.u32 (%p18747_p11), [#allocation5]  ;;  %s18565_s25 = smov.u32 (%p18747_p11), 0 }
+   0x7   :  {}
+   0x8 LB: >> { %s18567_s25 = sphi %s18565_s25, %s18566_s25 /* phi copy */ } /* Start region 1343 */
+   0x9   : >> { %s378_s28 = sadd.s32 64, %s18567_s25  ;;  %p366_p3 = scmp.gt.s32.totalorder %s378_s28, %s16399_s0 }
+   0xa   : >> { %s18566_s25 = smov.u32 %s378_s28 /* copy for cssa :: phi copy :: phi copy :: copy for cssa */ }
+   0xb   : >> { %368 = sbr.rel (!%p366_p3) target = $region1343 }
+   0xc   : >> { %p16307_p11 = scmp.gt.s32.totalorder (%p366_p3), %s378_s28, %s18891_s30 } /* End region 1343 */
+   0xd   :  {}
+   0xe   : > { %16308 = sbr.rel (%p16307_p11) target = $region1348 }
+   0xf   : > { %s18573_s4 = smov.u32 (!%p16307_p11), %s378_s28 /* copy for cssa :: phi copy */ }
+  0x10   :  {}
+  0x11 LB: >> { %s387_s4 = sadd.s32 8, %s18575_s4  ;;  %s18575_s4 = sphi %s18573_s4, %s387_s4 } /* Start region 1354 */
+  0x12   : >> { %p382_p1 = scmp.gt.s32.totalorder %s387_s4, %s18891_s30 } /* End region 1354 */
+  0x13   : > { %384 = sbr.rel (!%p382_p1) target = $region1354 }
+  0x14   :  {}
+  0x15 PF: > { %s17841_s22 = sshll.u32 %s18535_s22, 12 } /* Start/End empty region 1348 :: Start/End empty region 32 */
+  0x16   : > { %s30_s29 = sadd.s32 1, %s18563_s29 /* copy for cssa :: iteration index, stage = 0 */ }
+  0x17   : > { %p22587_p5 = scmp.ge.s32.totalorder %s30_s29, 262 /* loop exit test */ }
+  0x18   :  { %29 = sbr.rel (!%p22587_p5) target = $region1365 }
+  0x19   :  {}
+  0x1a   :  { %15779 = vsyncpa [#allocation1], 1 }
+"""
+NESTED_ISSUED = 27 + 261 * 24 + 262 * (8 - 1) * 5  # every bundle, the body 261 more times, each time the
+# 5 bundles of the loop inside it 7 more times
+
+
+def write_nested(directory: Path, bundles: str = NESTED_0_0_52) -> Path:
+    utilization = UTILIZATION_0_0_52.split("== UTILIZATION:\n")[0] + "== UTILIZATION:\n" + IDLE_0_0_52 * 27
+    return write_dump(directory, bundles, ANALYSIS.replace("11", "27"), utilization)
+
+
+def test_loops_inside_the_loop_count_the_trips_their_exit_compare_gives(tmp_path):
+    read = schedule_dump.read(write_nested(tmp_path), "42")
+    assert (read.body_first, read.body_last, read.loop_trips) == (1, 24, 262)
+    assert read.inner_loops == (schedule_dump.Loop(8, 12, 11, 8), schedule_dump.Loop(17, 19, 19, 1))
+    assert [(r.first, r.last, r.when) for r in read.regions] == [(3, 20, "%p18747_p11"), (15, 20, "!%p16307_p11")]
+    assert schedule._program_bundles(read) == NESTED_ISSUED
+
+
+def test_measure_counts_an_xla_ops_inner_loops_and_refuses_them_in_a_grid_step(tmp_path, monkeypatch):
+    read = schedule_dump.read(write_nested(tmp_path), "42")
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", f"--xla_jf_dump_to={tmp_path}")
+    monkeypatch.setattr(schedule, "_compile_and_read", lambda kernel, generation, directory: (read, {}))
+    reduction = schedule.Kernel("dq_reduction", None, (), grid=(), visible_steps=1, rows=1, dma_bytes_per_step=0,
+                                useful_flops=0.0)
+    [estimate] = schedule.measure([reduction], "v7x")
+    assert estimate.seconds * generations.get("v7x").clock_hz == pytest.approx(NESTED_ISSUED)
+    with pytest.raises(ValueError, match="a loop inside the grid loop .bundle 0x8.; a kernel with a loop inside"):
+        schedule.measure([dataclasses.replace(reduction, grid=(260,))], "v7x")
+
+
+@pytest.mark.parametrize("broken, says", [
+    (NESTED_0_0_52.replace("4294967240, %s18891_s30", "%s18563_s29, %s18891_s30"),
+     "the loop at bundle 0x8: its trip count depends on %s18563_s29 = 'sphi %s18651_s29, %s30_s29'"),
+    (NESTED_0_0_52.replace("%s18589_s16 = smov.u32 (%p18747_p11)", "%s18589_s16 = smov.u32 (!%p18747_p11)"),
+     "the loop at bundle 0x8: its trip count depends on %s18589_s16"),
+    (NESTED_0_0_52.replace("%s387_s4 = sadd.s32 8, %s18575_s4", "%s387_s4 = sshll.u32 %s18575_s4, 1"),
+     "the loop at bundle 0x11: %s387_s4 is not its induction variable plus a constant step"),
+    (NESTED_0_0_52.replace("  0x11 LB: >>", "  0x11 LB: >"), "bundle 0x11: a loop ('LB:') that is not directly"),
+    (NESTED_0_0_52.replace("   0xa   : >>", "   0xa   : >"), "the loop at bundle 0x8: a bundle before its closing"),
+], ids=["bound_varies_per_iteration", "bound_under_another_predicate", "no_induction_step", "not_marked_inside",
+        "body_not_marked"])
+def test_a_loop_inside_the_loop_not_read_with_confidence_is_refused_naming_it(tmp_path, broken, says):
+    write_nested(tmp_path, broken)
+    with pytest.raises(schedule_dump.DumpFormatError) as error:
+        schedule_dump.read(tmp_path, "42")
+    assert says in str(error.value) and str(tmp_path / "42-run.1-") in str(error.value)

@@ -71,7 +71,7 @@ BENCH = ["scripts/bench_attention.py", "--implementations", "torchattn-pallas", 
 def test_sets_up_the_tpu_extra_then_benchmarks_on_the_tpu_into_the_generations_csv(bench):
     done, calls = bench("--lengths", "1024", "8192", "--dtypes", "bfloat16")
     assert done.returncode == 0, done.stderr
-    assert calls[0] == ["env.sh TORCHATTN_EXTRAS=tpu,dev"]
+    assert calls[0] == ["env.sh TORCHATTN_EXTRAS=xla,dev"]
     assert calls[1][:3] == ["python", "PJRT_DEVICE=TPU", "-c"]  # the generation, from the device
     assert calls[2] == ["python", "PJRT_DEVICE=TPU", *BENCH, "--lengths", "1024", "8192", "--dtypes", "bfloat16"]
 
@@ -90,7 +90,7 @@ def test_each_command_is_printed_before_it_runs(bench):
     done, calls = bench("--calls", "5", generation="v6e")
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    for marker, command in (("[fake env.sh ran]", ["env", "TORCHATTN_EXTRAS=tpu,dev", "bash", "scripts/env.sh"]),
+    for marker, command in (("[fake env.sh ran]", ["env", "TORCHATTN_EXTRAS=xla,dev", "bash", "scripts/env.sh"]),
                             ("[fake benchmark ran]", ["env", "PJRT_DEVICE=TPU", ".venv/bin/python",
                                                       *BENCH[:-1], "docs/bench/attention-tpu-v6e", "--calls", "5"])):
         printed = lines[lines.index(marker) - 1]
@@ -102,7 +102,7 @@ def test_dry_run_prints_the_commands_and_runs_none(bench):
     assert done.returncode == 0, done.stderr
     assert calls == []
     printed = [shlex.split(line[2:]) for line in done.stdout.splitlines() if line.startswith("+ ")]
-    assert printed == [["env", "TORCHATTN_EXTRAS=tpu,dev", "bash", "scripts/env.sh"],
+    assert printed == [["env", "TORCHATTN_EXTRAS=xla,dev", "bash", "scripts/env.sh"],
                        ["env", "PJRT_DEVICE=TPU", ".venv/bin/python", *BENCH[:-1], "docs/bench/attention-tpu-v4",
                         "--lengths", "512"]]
 

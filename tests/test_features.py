@@ -196,6 +196,7 @@ print(json.dumps(errors))
 """
 
 
+@pytest.mark.xla  # the child runs the xla backend and the interpret kernels on XLA:CPU
 def test_a_second_per_pair_input_declared_once_is_added_to_the_logits_by_every_blockwise_backend(tmp_path):
     errors = _printed_with_declaration(tmp_path, NEW_PAIR_INPUT, PAIR_CALLS)
     # out, dq, dk, dv, then each pair input's gradient (the broadcast one summed over its broadcast dims),

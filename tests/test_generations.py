@@ -9,13 +9,12 @@ import re
 import pytest
 import torch
 
+import matrix
 import torchattn
-from torchattn import devices, generations, internals, once
+from torchattn import _versions, devices, generations, internals, once
 from torchattn.api import validated
 from torchattn.block_sizes import BlockSizes
 from torchattn.generations import GiB
-
-torch_xla = pytest.importorskip("torch_xla")
 
 LANES = 128
 
@@ -60,8 +59,22 @@ def test_defaults_are_clamped_to_short_sequences():
 
 
 def test_unknown_generation_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match=r"generation: expected one of \['v4', 'v5e', 'v5p', 'v6e'\], got 'v7'"):
+    choices = r"\['v4', 'v5e', 'v5p', 'v6e', 'v7x'\]"
+    with pytest.raises(ValueError, match=rf"generation: expected one of {choices}, got 'v7'"):
         BlockSizes.default(128, 128, 64, "v7")
+
+
+def test_a_generation_only_the_other_stack_compiles_for_is_refused_naming_its_environment(monkeypatch):
+    """v7x needs libtpu 0.0.52 (the current stack): torch_xla's stack refuses it with the environment to use."""
+    monkeypatch.setattr(_versions, "installed_stack", lambda: "xla")
+    with pytest.raises(ValueError, match=r"generation: v7x needs libtpu 0\.0\.52 of the current stack; this "
+                                         r"environment is of the xla stack .* run it in \.venv-current "
+                                         r"\(bash scripts/env.sh current\)"):
+        generations.compile_target("v7x")
+    assert "v7x" not in generations.compile_targets() and generations.compile_target("v5e").name == "v5e"
+    monkeypatch.setattr(_versions, "installed_stack", lambda: "current")
+    assert generations.compile_target("v7x").device_kind == "TPU7x"
+    assert generations.compile_targets() == ["v4", "v5e", "v5p", "v6e", "v7x"]
 
 
 def test_off_tpu_defaults_do_not_depend_on_a_generation(device):
@@ -101,15 +114,17 @@ def test_calls_on_a_tpu_take_its_generation_s_blocks_and_vmem_limit(tpu_of_kind,
         assert config["scoped_memory_configs"][0]["size"] == limit
 
 
-# libtpu 0.0.21's refusal of a program whose HBM needs exceed the device's, in binary units with two
-# decimals: "Ran out of memory in memory space hbm. Used 120.00G of 15.75G hbm. Exceeded hbm capacity by ..."
-_HBM_REFUSAL = re.compile(r"Used ([\d.]+)G of ([\d.]+)G hbm")
+# libtpu's refusal of a program whose HBM needs exceed the device's, in binary units with two decimals: 0.0.21
+# "Ran out of memory in memory space hbm. Used 120.00G of 15.75G hbm. Exceeded hbm capacity by ...", 0.0.52
+# "Ran out of memory on HBM, the total memory required for HLO temporaries (120.00G) exceeds available HBM (15.75G)".
+_HBM_REFUSAL = re.compile(r"Used ([\d.]+)G of ([\d.]+)G hbm|required for HLO temporaries \(([\d.]+)G\) exceeds "
+                          r"available HBM \(([\d.]+)G\)")
 # One float32 argument of 120 GiB: more than any generation's HBM, less than libtpu's largest single
 # allocation (2^31 words of 64 bytes; v5p's 95 GiB doubled fails that check instead of being refused).
 _ARGUMENT_GIB = 120
 
 
-@pytest.mark.parametrize("name", sorted(generations.GENERATIONS))
+@pytest.mark.parametrize("name", matrix.tpu_generations())
 def test_hbm_capacity_is_what_the_compiler_allocates_from_to_a_few_percent(name):
     """``hbm_bytes`` is the published capacity; the compiler's own refusal says what it allocates from.
 
@@ -117,7 +132,8 @@ def test_hbm_capacity_is_what_the_compiler_allocates_from_to_a_few_percent(name)
     per device. Below, because the compiler keeps some HBM for itself (0.25 GiB on v5e, v5p and v6e:
     16 GiB -> 15.75, 32 -> 31.25) and each v4 TensorCore 0.75 GiB of its 16 (15.25); above, because
     "95 GB" is rounded (libtpu allocates 95.74 GiB on v5p). libtpu's v4 compile-only devices are
-    TensorCores, two per chip (8 for v4:2x2x1's 4 chips), so a v4 device has half a chip's HBM.
+    TensorCores, two per chip (8 for v4:2x2x1's 4 chips), so a v4 device has half a chip's HBM; so are v7x's
+    (libtpu 0.0.52: 94.74 GiB of each 96).
     A capacity off by a factor (v6e's 32 GiB set to 16) or by 1 GiB on v5e (16 -> 15 or 17) fails.
     """
     pytest.importorskip("libtpu")
@@ -132,6 +148,8 @@ def test_hbm_capacity_is_what_the_compiler_allocates_from_to_a_few_percent(name)
     per_device = chip.hbm_bytes * chips / len(slice_devices(name))
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
         compile_jax(jnp.sum, [jax.ShapeDtypeStruct((_ARGUMENT_GIB * GiB // 4,), jnp.float32)], name, "sum")
-    used, usable = _HBM_REFUSAL.search(" ".join(str(refused.value).split())).groups()
+    found = _HBM_REFUSAL.search(" ".join(str(refused.value).split()))
+    assert found, refused.value
+    used, usable = [n for n in found.groups() if n is not None]
     assert float(used) == _ARGUMENT_GIB  # the units: G is GiB
     assert 0.95 * per_device <= float(usable) * GiB <= 1.01 * per_device, (name, usable, per_device / GiB)

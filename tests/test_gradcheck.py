@@ -12,8 +12,6 @@ import torch
 
 import torchattn
 
-torch_xla = pytest.importorskip("torch_xla")
-
 # name -> (q shape, k/v shape, bias shape, keyword arguments); each case has GQA 4:2 and a bias with grad
 # broadcast over batch and query rows (its gradient a sum over them; a bias with a query axis is checked
 # against the float64 reference in tests/test_float64.py). One case per backend: each xla case compiles
@@ -29,13 +27,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("backend, case", [
-    ("xla", "causal_window_segments_softcap_dropout_bias"),
+    pytest.param("xla", "causal_window_segments_softcap_dropout_bias", marks=pytest.mark.xla),
     ("reference", "causal_window_segments_softcap_dropout_bias"),
     ("sdpa", "window_segments_bias"),
 ])
-def test_gradcheck_float64(backend, case, device):
+def test_gradcheck_float64(backend, case, request):
     q_shape, kv_shape, bias_shape, kwargs = CASES[case]
-    where = device if backend == "xla" else "cpu"
+    where = request.getfixturevalue("device") if backend == "xla" else "cpu"
     g = torch.Generator().manual_seed(3)
     q = torch.randn(q_shape, generator=g, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(kv_shape, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))

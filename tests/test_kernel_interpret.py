@@ -1,4 +1,5 @@
-"""The Pallas kernels in interpret mode on XLA:CPU against the float64 reference."""
+"""The Pallas kernels in interpret mode against the float64 reference: on XLA:CPU under torch_xla, on CPU tensors
+through JAX in .venv-current (the ``kernel_device`` fixture)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,19 @@ import torch
 
 import torchattn
 from matrix import pairwise_cases
-from numerics import Case, check_backend
+from numerics import Case, check_backend, sync
 from torchattn.aot import Attention
 from torchattn.block_sizes import BlockSizes
 
-torch_xla = pytest.importorskip("torch_xla")
+pytest.importorskip("jax")
 from torchattn.kernels import backward, common  # noqa: E402 (imports jax)
 
 BACKEND = "interpret"
 
 
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
-def test_matches_reference_forward_and_backward(case, device):
-    check_backend(case, BACKEND, device=device)
+def test_matches_reference_forward_and_backward(case, kernel_device):
+    check_backend(case, BACKEND, device=kernel_device)
 
 
 # The matrix's features through the backward a call does not get by default (kernels/backward.fused): GQA, MQA,
@@ -35,7 +36,7 @@ OTHER_BACKWARD = [
 
 
 @pytest.mark.parametrize("case", OTHER_BACKWARD, ids=str)
-def test_the_backward_not_taken_by_default_matches_reference(case, device, monkeypatch):
+def test_the_backward_not_taken_by_default_matches_reference(case, kernel_device, monkeypatch):
     """Every call takes one of the two backwards (fused, or dq and dk/dv); the matrix runs the default one,
     this the other."""
     default, taken = backward.fused, []
@@ -45,7 +46,7 @@ def test_the_backward_not_taken_by_default_matches_reference(case, device, monke
         return taken[-1]
 
     monkeypatch.setattr(backward, "fused", other)
-    check_backend(case, BACKEND, device=device)
+    check_backend(case, BACKEND, device=kernel_device)
     assert taken and len(set(taken)) == 1, f"backwards taken: {taken}"
 
 
@@ -55,30 +56,30 @@ MASK_FREE = [Case(), Case(batch=1, q_len=128, kv_len=256, bias="broadcast"),
 
 
 @pytest.mark.parametrize("case", MASK_FREE, ids=str)
-def test_calls_every_tile_of_which_is_full_take_the_mask_free_path(case, device):
+def test_calls_every_tile_of_which_is_full_take_the_mask_free_path(case, kernel_device):
     """No band, no padding, no segment ids: the kernels build only their mask-free path, and match."""
     attention = Attention(batch=case.batch, q_heads=case.q_heads, kv_heads=case.kv_heads, q_len=case.q_len,
                           kv_len=case.kv_len, head_dim=case.head_dim, bias=case.bias, softcap=case.softcap,
                           dropout_p=case.dropout_p)
     blocks = BlockSizes.default(case.q_len, case.kv_len, case.head_dim)
     assert all(common.paths(spec) == (common.MASK_FREE,) for spec in attention.specs(blocks, None))
-    check_backend(case, BACKEND, device=device)
+    check_backend(case, BACKEND, device=kernel_device)
 
 
 @pytest.mark.parametrize("block_sizes", [
     torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=16, block_kv_bwd=128),
     torchattn.BlockSizes(block_q=64, block_kv=256, block_q_bwd=32, block_kv_bwd=128),
 ])
-def test_many_blocks_with_skipping(block_sizes, device):
+def test_many_blocks_with_skipping(block_sizes, kernel_device):
     """Small blocks: many skipped (causal, window) blocks and clamped index maps."""
     q, k, v = (torch.randn(1, 4, 300, 64) for _ in range(3))
     k, v = k[:, :2, :280], v[:, :2, :280]
     kwargs = dict(causal=True, window=(40, None))
     want = torchattn.attention_reference(q, k, v, **kwargs)[0]
-    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    leaves = [t.to(kernel_device).requires_grad_() for t in (q, k, v)]
     got = torchattn.flash_attention(*leaves, backend=BACKEND, block_sizes=block_sizes, **kwargs)
     grads = torch.autograd.grad(got, leaves, torch.ones_like(got))
-    torch_xla.sync()
+    sync(grads[0])
     torch.testing.assert_close(got.cpu(), want.float(), atol=2e-5, rtol=1e-4)
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = torchattn.attention_reference(*ref_leaves, **kwargs)[0]
@@ -88,7 +89,7 @@ def test_many_blocks_with_skipping(block_sizes, device):
 
 
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(200, 100), softcap=20.0)], ids=["causal", "window"])
-def test_tiles_inside_the_band_take_the_mask_free_path(kwargs, device):
+def test_tiles_inside_the_band_take_the_mask_free_path(kwargs, kernel_device):
     """A band over many tiles: the ones inside it run mask-free, the ones it cuts masked (both paths built);
     out and every gradient, the bias's included, match the float64 reference."""
     blocks = torchattn.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128)
@@ -101,16 +102,16 @@ def test_tiles_inside_the_band_take_the_mask_free_path(kwargs, device):
     ref_leaves = [t.double().requires_grad_() for t in (q, k, v, bias)]
     ref = torchattn.attention_reference(*ref_leaves[:3], bias=ref_leaves[3], **kwargs)[0]
     ref_grads = torch.autograd.grad(ref, ref_leaves, torch.ones_like(ref))
-    leaves = [t.to(device).requires_grad_() for t in (q, k, v, bias)]
+    leaves = [t.to(kernel_device).requires_grad_() for t in (q, k, v, bias)]
     got = torchattn.flash_attention(*leaves[:3], bias=leaves[3], backend=BACKEND, block_sizes=blocks, **kwargs)
     grads = torch.autograd.grad(got, leaves, torch.ones_like(got))
-    torch_xla.sync()
+    sync(grads[0])
     torch.testing.assert_close(got.cpu(), ref.float(), atol=2e-5, rtol=1e-4)
     for name, got_grad, want in zip(("q", "k", "v", "bias"), grads, ref_grads):
         torch.testing.assert_close(got_grad.cpu(), want.float(), atol=5e-5, rtol=1e-4, msg=f"d{name}")
 
 
-def test_lse_and_its_gradient(device):
+def test_lse_and_its_gradient(kernel_device):
     """lse matches the reference (-inf on rows that see nothing) and gradients flow through it."""
     torch.manual_seed(1)
     q, k, v = torch.randn(2, 4, 50, 32), torch.randn(2, 2, 40, 32), torch.randn(2, 2, 40, 32)
@@ -122,13 +123,13 @@ def test_lse_and_its_gradient(device):
     ref_loss = ref_out.sum() + (torch.where(torch.isfinite(ref_lse), ref_lse, 0) * weights).sum()
     ref_grads = torch.autograd.grad(ref_loss, ref_leaves)
 
-    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
-    out, lse = torchattn.flash_attention(*leaves, backend=BACKEND, return_lse=True,
-                                         **{n: t.to(device) if torch.is_tensor(t) else t for n, t in kwargs.items()})
+    leaves = [t.to(kernel_device).requires_grad_() for t in (q, k, v)]
+    kwargs = {name: t.to(kernel_device) if torch.is_tensor(t) else t for name, t in kwargs.items()}
+    out, lse = torchattn.flash_attention(*leaves, backend=BACKEND, return_lse=True, **kwargs)
     assert lse.dtype == torch.float32 and lse.shape == (2, 4, 50)
-    loss = out.sum() + (torch.where(torch.isfinite(lse), lse, 0) * weights.float().to(device)).sum()
+    loss = out.sum() + (torch.where(torch.isfinite(lse), lse, 0) * weights.float().to(kernel_device)).sum()
     grads = torch.autograd.grad(loss, leaves)
-    torch_xla.sync()
+    sync(grads[0])
     assert torch.equal(torch.isinf(lse.cpu()), torch.isinf(ref_lse))
     assert torch.isinf(ref_lse).any(), "the case must contain rows that see no key"
     finite = torch.isfinite(ref_lse)
@@ -137,7 +138,7 @@ def test_lse_and_its_gradient(device):
         torch.testing.assert_close(g.cpu(), r.float(), atol=1e-4, rtol=1e-4, msg=f"d{name}")
 
 
-def test_dropout_masks_agree_with_helper_forward_and_backward(device):
+def test_dropout_masks_agree_with_helper_forward_and_backward(kernel_device):
     """Recovers the kernel's keep mask from out and from dv and compares it with dropout_mask.
 
     With q = 0 every probability is 1/kv_len; with v = identity (kv_len = head_dim)
@@ -145,13 +146,13 @@ def test_dropout_masks_agree_with_helper_forward_and_backward(device):
     dv[j, i] = keep[i, j] / ((1 - p) kv_len) too.
     """
     p, seed, n = 0.25, 987654321, 128
-    q = torch.zeros(1, 2, n, n, device=device, requires_grad=True)
+    q = torch.zeros(1, 2, n, n, device=kernel_device, requires_grad=True)
     eye = torch.eye(n).expand(1, 2, n, n)
-    k = torch.randn(1, 2, n, n, device=device)
-    v = eye.clone().to(device).requires_grad_()
+    k = torch.randn(1, 2, n, n, device=kernel_device)
+    v = eye.clone().to(kernel_device).requires_grad_()
     out = torchattn.flash_attention(q, k, v, dropout_p=p, dropout_seed=seed, backend=BACKEND)
-    (dv,) = torch.autograd.grad(out, [v], eye.to(device))
-    torch_xla.sync()
+    (dv,) = torch.autograd.grad(out, [v], eye.to(kernel_device))
+    sync(dv)
     want = torchattn.dropout_mask(seed, 1, 2, n, n, p)
     fwd_mask = out.cpu() * (1 - p) * n
     bwd_mask = dv.cpu().transpose(-1, -2) * (1 - p) * n
@@ -160,8 +161,8 @@ def test_dropout_masks_agree_with_helper_forward_and_backward(device):
     assert 0.70 < want.float().mean() < 0.80
 
 
-def test_dropout_same_seed_same_output_new_seed_new_output(device):
-    q, k, v = (torch.randn(1, 2, 64, 32, device=device) for _ in range(3))
+def test_dropout_same_seed_same_output_new_seed_new_output(kernel_device):
+    q, k, v = (torch.randn(1, 2, 64, 32, device=kernel_device) for _ in range(3))
 
     def run(seed):
         return torchattn.flash_attention(q, k, v, dropout_p=0.3, dropout_seed=seed, backend=BACKEND).cpu()
@@ -171,17 +172,38 @@ def test_dropout_same_seed_same_output_new_seed_new_output(device):
     assert not torch.allclose(a, c)
 
 
-def test_fully_masked_rows_give_zero_output_and_gradient(device):
+def test_fully_masked_rows_give_zero_output_and_gradient(kernel_device):
     q, k, v = (torch.randn(1, 2, 16, 32) for _ in range(3))
-    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    leaves = [t.to(kernel_device).requires_grad_() for t in (q, k, v)]
     seg = torch.zeros(1, 16, dtype=torch.int32)
     seg[:, :4] = 7  # queries 0..3 carry an id no key has
-    out = torchattn.flash_attention(*leaves, segment_ids=seg.to(device),
-                                    kv_segment_ids=torch.zeros_like(seg).to(device),
+    out = torchattn.flash_attention(*leaves, segment_ids=seg.to(kernel_device),
+                                    kv_segment_ids=torch.zeros_like(seg).to(kernel_device),
                                     backend=BACKEND)
-    dq, dk, dv = torch.autograd.grad(out, leaves, torch.randn(1, 2, 16, 32, device=device))
-    torch_xla.sync()
+    dq, dk, dv = torch.autograd.grad(out, leaves, torch.randn(1, 2, 16, 32, device=kernel_device))
+    sync(dq)
     assert torch.isfinite(out.cpu()).all() and torch.isfinite(dk.cpu()).all() and torch.isfinite(dv.cpu()).all()
     assert torch.equal(out.cpu()[:, :, :4], torch.zeros(1, 2, 4, 32))
     assert torch.equal(dq.cpu()[:, :, :4], torch.zeros(1, 2, 4, 32))
     assert out.cpu()[:, :, 4:].abs().sum() > 0
+
+
+# On CPU tensors the same kernels run through JAX (torchattn/jax_bridge.py, DLPack): in .venv-current that is
+# every test above (kernel_device); here, under torch_xla, these cases, every feature in float32 and bfloat16.
+CPU_CASES = [Case(q_heads=8, kv_heads=2, q_len=129, kv_len=200, causal=True, window=(64, None), segments="packed",
+                  softcap=20.0, bias="full", dropout_p=0.1),
+             Case(batch=1, q_heads=4, kv_heads=1, q_len=113, kv_len=113, head_dim=64, dtype=torch.bfloat16,
+                  segments="unmatched", bias="broadcast")]
+
+
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_cpu_tensors_run_the_kernels_through_jax(case):
+    check_backend(case, BACKEND, device=torch.device("cpu"))
+
+
+def test_cpu_tensors_take_the_interpret_backend_only_when_asked():
+    """On plain tensors sdpa serves by default (interpret emulates the TPU, slowly); interpret serves when named."""
+    q = torch.randn(1, 2, 64, 32)
+    assert torchattn.explain(q, q, q).backend == "sdpa"
+    choice = torchattn.explain(q, q, q, backend=BACKEND)
+    assert choice.backend == BACKEND and "needs tensors on an XLA device" in choice.passed_over["xla"]

@@ -1,6 +1,6 @@
 """The same matrix on a real TPU with the compiled ``pallas`` backend (skipped elsewhere).
 
-Run on a TPU VM with ``PJRT_DEVICE=TPU TORCHATTN_EXTRAS=tpu,dev bash scripts/test.sh -m tpu``
+Run on a TPU VM with ``PJRT_DEVICE=TPU TEST_STACKS=xla bash scripts/test.sh -m tpu``
 (the ``tpu`` extra installs libtpu, the TPU runtime).
 """
 

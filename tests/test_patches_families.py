@@ -1,7 +1,8 @@
 """Every verified family (``patches.VERIFIED``) patched onto torchattn, against the same model in eager.
 
 Tiny random models from tests/hf_models.py. The patched model runs on the XLA
-device (backends "xla" and "interpret"), the eager one on the CPU in float32:
+device (backends "xla" and "interpret"; "interpret" on CPU tensors in .venv-current, the
+``kernel_device`` fixture), the eager one on the CPU in float32:
 outputs at real tokens and every parameter gradient must agree (padded batch),
 packed documents must come out as if run one by one, and patching must be
 invisible once undone: no parameter, state_dict entry or saved config changes,
@@ -25,11 +26,11 @@ import torch
 import transformers
 
 import hf_models as H
+from numerics import sync
 import patches
 import torchattn
 from patches import masks, registration
 
-torch_xla = pytest.importorskip("torch_xla")
 
 FAMILIES = [f.name for f in patches.VERIFIED]
 INTERFACE = [f.name for f in patches.VERIFIED if f.route is patches.families.Route.INTERFACE]
@@ -37,7 +38,8 @@ PACKING = [f.name for f in patches.VERIFIED if any(x.startswith("packing") for x
 # Families whose attention also gets position_ids, so the collator's default output (no
 # cu_seq_lens) is enough; the others' features say "packing (cu_seq_lens)".
 PACKING_BY_POSITIONS = [f.name for f in patches.VERIFIED if "packing" in f.features]
-BACKENDS = ("xla", "interpret")
+# "xla" needs torch_xla; "interpret" runs where the kernels run in this environment (kernel_device).
+BACKENDS = (pytest.param("xla", marks=pytest.mark.xla), "interpret")
 SEQ = 200  # second row: 66 padding tokens
 # Small blocks so the padded batch spans 4 query x 2 key blocks, with windows and padding
 # skipping some: the model-level test then also covers block skipping and partial blocks.
@@ -65,8 +67,7 @@ def _forward_backward(model, batch, weights):
     model.zero_grad(set_to_none=True)
     out = model(**batch.inputs).last_hidden_state
     (out * weights.to(out.device) * batch.valid[..., None]).sum().backward()
-    if out.device.type == "xla":
-        torch_xla.sync()  # forward and backward as one graph, compiled once, before anything is read
+    sync(out)  # on XLA forward and backward as one graph, compiled once, before anything is read
     return out.detach().cpu(), {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
 
 
@@ -118,7 +119,8 @@ def test_tiny_models_keep_what_makes_each_family_different():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_padded_batch_outputs_and_every_gradient_match_eager(family, backend, device, kernel_calls):
+def test_padded_batch_outputs_and_every_gradient_match_eager(family, backend, request, kernel_calls):
+    device = _device(request, backend)
     batch, weights, want, want_grads = _eager_padded(family)
     model = H.build(family).to(device)
     patches.patch(model, backend, block_sizes=BLOCKS)
@@ -133,12 +135,19 @@ def test_padded_batch_outputs_and_every_gradient_match_eager(family, backend, de
 
 # Document boundaries from cu_seq_lens on both backends; from position_ids alone (the collator's
 # default) on "xla" only: turning them into segment ids happens before any backend.
-PACKED_CASES = ([pytest.param(f, b, True, id=f"{f}-{b}") for f in PACKING for b in BACKENDS]
-                + [pytest.param(f, "xla", False, id=f"{f}-xla-position_ids") for f in PACKING_BY_POSITIONS])
+PACKED_CASES = ([pytest.param(f, "xla", True, id=f"{f}-xla", marks=pytest.mark.xla) for f in PACKING]
+                + [pytest.param(f, "interpret", True, id=f"{f}-interpret") for f in PACKING]
+                + [pytest.param(f, "xla", False, id=f"{f}-xla-position_ids", marks=pytest.mark.xla)
+                   for f in PACKING_BY_POSITIONS])
+
+
+def _device(request, backend: str):
+    """The device a patched model runs on for ``backend``: XLA for "xla", kernel_device for "interpret"."""
+    return request.getfixturevalue("kernel_device" if backend == "interpret" else "device")
 
 
 @pytest.mark.parametrize("family,backend,flash_kwargs", PACKED_CASES)
-def test_packed_documents_match_each_document_run_alone(family, backend, flash_kwargs, device, kernel_calls):
+def test_packed_documents_match_each_document_run_alone(family, backend, flash_kwargs, request, kernel_calls):
     """DataCollatorWithFlattening's packed row against each document run separately in eager
     (the eager model itself cannot isolate packed documents in most families). Gradients too:
     the parameters are shared, so the packed row's loss gradient is the sum of the documents'
@@ -153,12 +162,13 @@ def test_packed_documents_match_each_document_run_alone(family, backend, flash_k
     want = alone.detach()
     want_grads = {n: None if p.grad is None else p.grad for n, p in eager.named_parameters()}
 
+    device = _device(request, backend)
     model = H.build(family).to(device)
     patches.patch(model, backend, block_sizes=BLOCKS)
     inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.inputs.items()}
     out = model(**inputs).last_hidden_state[0]
     (out * weights.to(device)).sum().backward()
-    torch_xla.sync()
+    sync(out)
     got = out.detach().cpu()
     got_grads = {n: None if p.grad is None else p.grad.cpu() for n, p in model.named_parameters()}
 

@@ -1,8 +1,9 @@
 """The kernels compile with the TPU compiler (libtpu's Mosaic and XLA:TPU), not only lower.
 
-libtpu's compile-only client (torchattn.aot) compiles for v4, v5e, v5p and v6e on
-a machine without a TPU, so a kernel that overflows VMEM, or a payload the pinned
-runtime refuses, fails here. The generation x shape sweep is ``slow``.
+libtpu's compile-only client (torchattn.aot) compiles for v4, v5e, v5p and v6e (libtpu 0.0.21, .venv) and v7x
+(libtpu 0.0.52, .venv-current) on a machine without a TPU, so a kernel that overflows VMEM, or a payload the pinned
+runtime refuses, fails here. The generation x shape sweep is ``slow``; in .venv-current the sweeps cover v7x
+(tests/matrix.py, tpu_generations) and the feature matrix is compiled for it.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import re
 import pytest
 import torch
 
+import matrix
 from matrix import pairwise_cases
 from numerics import Case
 from torchattn import generations, internals
 from torchattn.block_sizes import BlockSizes
 
 jax = pytest.importorskip("jax")
-pytest.importorskip("torch_xla")
+pytest.importorskip("libtpu")
 
 import jax._src.tpu_custom_call as tpu_custom_call  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -30,12 +32,12 @@ from jax._src.lib.mlir import ir  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from test_tpu_lowering import LOWERING_MATRIX, _spec as lowering_spec  # noqa: E402
+from lowering_matrix import LOWERING_MATRIX, spec as lowering_spec  # noqa: E402
 from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax, device  # noqa: E402
 from torchattn.aot.attention import kernel_functions  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
-GENERATIONS = sorted(generations.GENERATIONS)
+GENERATIONS = matrix.tpu_generations()
 
 # Shapes as models and the trainer call attention (bfloat16 unless said otherwise).
 SHAPES = {
@@ -69,7 +71,7 @@ def _attention(case: Case) -> Attention:
 
 
 def _lowering_case(params) -> tuple[Attention, BlockSizes]:
-    """A LOWERING_MATRIX entry (test_tpu_lowering._spec's keywords, its defaults for the rest) as
+    """A LOWERING_MATRIX entry (lowering_matrix.spec's keywords, its defaults for the rest) as
     the Attention and blocks it lowers; that _spec's batch is 2."""
     values = {name: p.default for name, p in inspect.signature(lowering_spec).parameters.items()} | params
     block_q, block_kv = values.pop("block_q"), values.pop("block_kv")
@@ -102,9 +104,10 @@ def _assert_compiled(compiled, attention: Attention):
 
 
 @pytest.mark.parametrize("case", pairwise_cases(), ids=str)
-def test_every_feature_compiles_for_v5e(case):
+def test_every_feature_compiles(case):
+    """The whole feature matrix, for matrix.MATRIX_GENERATION: v5e in .venv, v7x in .venv-current."""
     attention = _attention(case)
-    _assert_compiled(compile_attention(attention, "v5e"), attention)
+    _assert_compiled(compile_attention(attention, matrix.MATRIX_GENERATION), attention)
 
 
 @pytest.mark.parametrize("params", [p for p in LOWERING_MATRIX if "block_q" in p and "sequence_shards" not in p],
@@ -158,6 +161,7 @@ def _mosaic_refusal() -> tuple[int, int] | None:
     return None
 
 
+@pytest.mark.xla  # the pin is for torch_xla's runtime, libtpu 0.0.21; libtpu 0.0.52 takes jax 0.10's version
 def test_jax_unpinned_mosaic_version_is_refused_by_the_pinned_libtpu(monkeypatch):
     """Why the pin exists: left to itself jax serialises a version libtpu 0.0.21 refuses."""
     monkeypatch.setattr(internals, "pinned_mosaic_version", contextlib.nullcontext)
@@ -170,6 +174,7 @@ def test_jax_unpinned_mosaic_version_is_refused_by_the_pinned_libtpu(monkeypatch
     assert internals.MOSAIC_IR_VERSION <= accepted < given
 
 
+@pytest.mark.xla  # the payload torch_xla's tpu_custom_call carries (torchattn/internals.py)
 def test_pallas_backend_payload_carries_the_pinned_version():
     """The backend config the pallas backend puts in its tpu_custom_call, decoded."""
     forward_spec, _ = SMALL.specs(SMALL.default_block_sizes("v5e"), "v5e")

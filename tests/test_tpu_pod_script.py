@@ -58,7 +58,7 @@ def test_every_call_runs_on_all_workers_and_creates_or_deletes_nothing(pod, tmp_
         assert call[call.index("--project") + 1] == "my-project"
         assert not any(word in " ".join(call) for word in ("create", "delete")), call
     setup, train = (call[call.index("--command") + 1] for call in calls[1:])
-    assert "TORCHATTN_EXTRAS=tpu bash scripts/env.sh" in setup
+    assert "TORCHATTN_EXTRAS=xla bash scripts/env.sh" in setup
     assert shlex.split(train)[-len(TRAIN_FLAGS) - 3:] == [".venv/bin/python", "-m", "train", *TRAIN_FLAGS]
     with tarfile.open(tmp_path / "uploaded.tar.gz") as archive:
         names = set(archive.getnames())

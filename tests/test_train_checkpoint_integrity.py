@@ -17,6 +17,8 @@ import torch
 from train import checkpoint, file_checkpoint, sharded_checkpoint
 from train.__main__ import main
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

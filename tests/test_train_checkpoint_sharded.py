@@ -14,6 +14,8 @@ import torch
 
 from train import checkpoint, sharded_checkpoint
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "spmd_ckpt_roundtrip.py")
 
 

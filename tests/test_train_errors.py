@@ -14,6 +14,8 @@ import torch
 import train_tiny
 from train.__main__ import main
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 
 @pytest.fixture(scope="module")
 def docs_csv(tmp_path_factory):

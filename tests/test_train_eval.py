@@ -17,6 +17,8 @@ from train.tasks import classification as classification_module
 from train.tasks.classification import classification_scores
 from train.trainer import Trainer
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 
 def labelled(counts: dict[int, int]) -> datasets.Dataset:
     """Rows sorted by label, as the held-out split is; "text" numbers the rows."""

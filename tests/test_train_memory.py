@@ -15,6 +15,9 @@ import numpy as np
 import torch
 
 from train import checkpoint, guards
+import pytest
+
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -20,6 +20,8 @@ import transformers
 import attention_spy
 from train.models import ModelError, load_model, max_positions, save_model
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORDS = [f"w{i}" for i in range(60)]
 

@@ -14,6 +14,8 @@ import pytest
 from train import config, tasks
 from train.__main__ import main
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 ADDED = pathlib.Path(__file__).resolve().parent / "tasks_added"
 
 

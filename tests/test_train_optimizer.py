@@ -16,6 +16,8 @@ import transformers
 from train import trainer as trainer_module
 from train.__main__ import main
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 PEAK_LR, WEIGHT_DECAY, MAX_GRAD_NORM = 4e-3, 0.5, 0.05
 
 

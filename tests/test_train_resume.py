@@ -15,6 +15,8 @@ import train_tiny
 from train import checkpoint
 from train.__main__ import main
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 
 @pytest.fixture(scope="module")
 def docs_csv(tmp_path_factory):

@@ -14,6 +14,8 @@ import train_tiny
 
 from train.__main__ import main
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

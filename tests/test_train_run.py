@@ -22,6 +22,8 @@ from train.config import parse_args
 from train.tasks.classification import classification_scores
 from train.trainer import Trainer
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 TRAIN_FIELDS = {"step", "loss", "lr", "tokens_per_s", "compiles", "host_rss_mb"}
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 import signal
 
 import train_tiny
+import pytest
+
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 
 
 def test_a_second_signal_stops_at_once_without_noise(bert, docs_csv, tmp_path):

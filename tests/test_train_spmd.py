@@ -34,6 +34,8 @@ from train.parallel import default_mesh, parameter_spec
 from train.tasks import classification, lm
 from train.trainer import model_outputs
 
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = ["--mesh", "data=2,fsdp=2"]
 # Each step's loss on a mesh against one device: the largest relative difference seen is 1.5e-7

@@ -15,6 +15,9 @@ from train import data, models, tasks
 from train.config import parse_args
 from train.tasks import classification
 from train.trainer import Trainer
+import pytest
+
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 
 DECLARATIONS = ("LABELED", "CAUSAL", "tokenize", "lengths", "label_names", "check_head", "MODEL_CLASS", "configure",
                 "synthetic_batch", "EVAL_BEFORE_TRAINING", "Evaluation", "summary", "result_rows", "HEADLINE",

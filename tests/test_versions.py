@@ -10,7 +10,10 @@ import warnings
 import pytest
 
 from torchattn import _versions
-from torchattn._versions import VERIFIED, UnverifiedVersionsWarning, check_versions
+from torchattn._versions import STACKS, UnverifiedVersionsWarning, check_versions
+
+VERIFIED = STACKS["xla"]
+CURRENT = STACKS["current"]
 
 
 @pytest.fixture
@@ -102,16 +105,28 @@ def _pins(requirements: str) -> dict[str, str]:
     return pins
 
 
-def test_setup_cfg_pins_the_verified_set():
-    """setup.cfg installs exactly the set the import-time check calls verified (libtpu: the tpu
-    extra, and the dev extra, whose tests compile for TPU)."""
+@pytest.mark.parametrize("name", sorted(STACKS))
+def test_setup_cfg_pins_each_verified_stack_in_its_extra(name):
+    """setup.cfg's extra of each stack's name installs exactly the set the import-time check calls verified;
+    nothing else pins a package of a stack (the shared requirements leave torch to the stack)."""
     config = configparser.ConfigParser()
     assert config.read(pathlib.Path(__file__).parents[1] / "setup.cfg"), "setup.cfg not found"
     extras = config["options.extras_require"]
-    pins = _pins(config["options"]["install_requires"])
-    pins.update(_pins(extras["tpu"]))
-    assert {name: pins.get(name) for name in VERIFIED} == VERIFIED
-    assert _pins(extras["dev"])["libtpu"] == VERIFIED["libtpu"]
+    pins = _pins(extras[name])
+    assert {package: pins.get(package) for package in STACKS[name]} == STACKS[name]
+    shared = {**_pins(config["options"]["install_requires"]), **_pins(extras["dev"])}
+    assert not set(shared) & {package for stack in STACKS.values() for package in stack}
+
+
+def test_the_current_stack_is_verified_and_named_when_it_differs(installed):
+    installed.update(CURRENT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_versions()
+    installed.update(libtpu="0.0.50")
+    with pytest.warns(UnverifiedVersionsWarning, match=r"libtpu 0\.0\.50; the current stack is verified with "
+                                                       r"torch 2\.14\.1, torch_tpu 0\.2\.0"):
+        check_versions()
 
 
 def test_pins_parser_reads_names_as_pip_does():

@@ -16,7 +16,7 @@ _seen_kind: str | None = None
 
 @contextlib.contextmanager
 def seen_as_tpu(generation: str):
-    """Inside, torchattn takes every XLA device for one chip of TPU ``generation`` ("v4", "v5e", "v5p", "v6e").
+    """Inside, torchattn takes every XLA device for one chip of TPU ``generation`` ("v4", "v5e", "v5p", "v6e", "v7x").
 
     Tensors stay where they are (XLA:CPU on a machine without a TPU): ``auto`` picks the ``pallas``
     backend with that generation's block sizes and puts its Mosaic kernels into the graph as
@@ -49,7 +49,7 @@ def kind(device: torch.device) -> str:
 
 
 def tpu_generation(device: torch.device) -> str | None:
-    """The TPU generation ("v4", "v5e", "v5p", "v6e") of an XLA device on a TPU; None otherwise
+    """The TPU generation ("v4", "v5e", "v5p", "v6e", "v7x") of an XLA device on a TPU; None otherwise
     (any other device, or a TPU kind torchattn has no table for)."""
     if kind(device) != "tpu":
         return None

@@ -17,7 +17,8 @@ estimates, not timings). A bundle is an issue slot, not a cycle (v5e's densest m
 is calibrated: ``mxu_macs_per_bundle`` is the most MACs libtpu 0.0.21 packs into a bundle of a
 Pallas kernel that is only a bf16 matmul, (m, k) x (k, n) per grid step, float32 out
 (``torchattn.aot.schedule.matmul_kernel``), over m 512-4096 and k, n 128-1024
-(``scripts/calibrate_mxu.py``, its output in docs/bench/mxu-calibration.csv; the densest shape
+(``scripts/calibrate_mxu.py``, its output in docs/bench/mxu-calibration.csv, v7x's by libtpu 0.0.52 in
+docs/bench/mxu-calibration-v7x.csv; the densest shape
 is ``mxu_probe_shape``, which ``tests/test_aot_schedule.py`` compiles again on v5e). It depends on
 the shape (v5e: 69.9 k at 512 x 1024 x 1024, 92.6 k at 4096 x 128 x 512): the loads of the
 MXU's weights take fewer bundles per MAC the more rows stream through them. ``clock_hz``, the
@@ -54,6 +55,7 @@ class Generation:
     tensorcores: int  # per chip
     mxu_probe_shape: tuple[int, int, int]  # (m, k, n) of the densest matmul-only kernel: see the module docstring
     mxu_macs_per_bundle: int  # its MACs per bundle, rounded up
+    stacks: tuple[str, ...] = ("xla", "current")  # whose libtpu compiles for it (torchattn._versions.STACKS)
 
     @property
     def clock_hz(self) -> float:
@@ -85,15 +87,48 @@ GENERATIONS = {
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(1024, 1024, 1024, 2048), blocks_wide_heads=(1024, 1024, 1024, 2048),
                    tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744),
+        # v7x (Ironwood; Google Cloud's figures, its 7.37 TB/s from Google's announcement): a compile-only device
+        # is one of a chip's two TensorCores, as on v4 (8 for the 4 chips of tpu7x:2x2x1; libtpu 0.0.52 allocates
+        # 94.74 GiB of each 96); 64 MiB of VMEM per core (the compiler's report), like v5p's, so the same 48 MiB
+        # limit. Only libtpu 0.0.52 (the current stack) compiles for it; its densest matmul is libtpu 0.0.52's
+        # (docs/bench/mxu-calibration-v7x.csv). Its blocks are PROVISIONAL, v5p's (the same VMEM): not yet
+        # searched (scripts/search_blocks.py --generation v7x in .venv-current).
+        Generation("v7x", "TPU7x", "tpu7x:2x2x1", 2307e12, 7370e9, 192 * GiB, 64 * MiB, 48 * MiB,
+                   blocks=(512, 512, 1024, 1024), blocks_wide_heads=(512, 512, 512, 1024),
+                   tensorcores=2, mxu_probe_shape=(1024, 1024, 512), mxu_macs_per_bundle=464_020,
+                   stacks=("current",)),
     )
 }
 
 
 def get(name: str) -> Generation:
-    """The generation called ``name`` ("v4", "v5e", "v5p", "v6e")."""
+    """The generation called ``name`` ("v4", "v5e", "v5p", "v6e", "v7x")."""
     if not isinstance(name, str) or name not in GENERATIONS:
         raise ValueError(f"generation: expected one of {sorted(GENERATIONS)}, got {name!r}")
     return GENERATIONS[name]
+
+
+def compile_target(name: str) -> Generation:
+    """The generation called ``name``, if this environment's libtpu compiles for it (its stack is among the
+    generation's ``stacks``); ValueError naming the environment that does otherwise."""
+    from . import _versions
+
+    chip, here = get(name), _versions.installed_stack()
+    if here not in chip.stacks:
+        stack = chip.stacks[0]
+        needed, present = _versions.STACKS[stack]["libtpu"], _versions.STACKS[here]["libtpu"]
+        raise ValueError(
+            f"generation: {name} needs libtpu {needed} of the {stack} stack; this environment is of the {here} stack "
+            f"(libtpu {present} refuses {chip.device_kind}): run it in {_versions.VENVS[stack]} "
+            f"(bash scripts/env.sh {stack})")
+    return chip
+
+
+def compile_targets() -> list[str]:
+    """The names of the generations this environment's libtpu compiles for."""
+    from . import _versions
+
+    return [name for name, chip in GENERATIONS.items() if _versions.installed_stack() in chip.stacks]
 
 
 def from_device_kind(kind: str) -> Generation | None:

@@ -1,6 +1,10 @@
-"""JAX <-> torch_xla plumbing: runs a Pallas kernel function on XLA tensors.
+"""JAX <-> torch plumbing: runs a Pallas kernel function on XLA tensors or on CPU tensors.
 
-Two entry paths, one per backend:
+On CPU tensors (the ``interpret`` backend without torch_xla, as on the TorchTPU stack: docs/versions.md)
+the tensors cross to JAX by DLPack, without a copy where their layout allows, and the kernel function,
+jitted once, runs in Pallas interpret mode on JAX's CPU backend; its results cross back the same way.
+
+On XLA tensors, two entry paths, one per backend:
 
 - interpret (``interpret=True``): ``torch_xla.core.xla_builder.call_jax`` traces
   the jax function (a ``pallas_call`` with ``interpret=True``, which lowers to
@@ -30,10 +34,13 @@ from . import counters, internals
 
 
 def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Tensor, ...]:
-    """Runs jax function ``fn`` on XLA tensors ``args``.
+    """Runs jax function ``fn`` on tensors ``args``, all on one XLA device or all on the CPU (interpret only).
 
     out_shapes: [(shape, torch dtype)] of fn's outputs (needed by the TPU custom call).
     """
+    if args[0].device.type == "cpu":
+        with torch.profiler.record_function(name):
+            return _on_cpu(fn, args)
     import torch_xla.debug.profiler as xp
 
     with xp.Trace(name):
@@ -42,6 +49,22 @@ def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Ten
 
             return tuple(xb.call_jax(_counted(fn), tuple(args)))
         return internals.tpu_custom_call(_counted(fn), args, out_shapes)
+
+
+def _on_cpu(fn, args) -> tuple[torch.Tensor, ...]:
+    import jax
+
+    # detach: DLPack exports no autograd state (the custom ops' autograd is torchattn's own). An expanded
+    # (stride 0) or sliced tensor has no DLPack view JAX takes: it is copied once, contiguous.
+    arrays = [jax.dlpack.from_dlpack(t.detach().contiguous()) for t in args]
+    return tuple(torch.from_dlpack(out) for out in _jitted(fn)(*arrays))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(fn):
+    import jax
+
+    return jax.jit(_counted(fn))
 
 
 @functools.lru_cache(maxsize=None)

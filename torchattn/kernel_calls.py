@@ -8,6 +8,8 @@ contract (torchattn/kernels/arguments.py).
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -25,8 +27,11 @@ FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "retu
 
 
 def unavailable(request: Request) -> str | None:
-    if request.device.type != "xla":
-        return f"needs tensors on an XLA device; got {request.device.type}"
+    """Why neither mode of the kernels can serve ``request`` (the ``pallas`` backend also needs a TPU)."""
+    if request.device.type not in ("xla", "cpu"):
+        return f"needs tensors on an XLA device or the CPU; got {request.device.type}"
+    if request.device.type == "cpu" and importlib.util.find_spec("jax") is None:
+        return "runs the kernels on CPU tensors through JAX, which is not installed"
     if request.dtype not in KERNEL_DTYPES:
         return f"the Pallas kernels take float32 or bfloat16; got {request.dtype}"
     return None

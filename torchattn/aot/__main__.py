@@ -42,7 +42,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = _Parser(prog="python -m torchattn.aot", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--generation", required=True, choices=[*generations.GENERATIONS, "all"],
-                        help="TPU generation to compile for; 'all' compiles for each")
+                        help="TPU generation to compile for; 'all' compiles for each this environment's libtpu "
+                        "compiles for (v7x: .venv-current only)")
     parser.add_argument("--schedule", action="store_true",
                         help="report each kernel's compiled schedule and the time it estimates (not a TPU timing)")
     parser.add_argument("--backward", choices=BACKWARDS, default="auto",
@@ -189,7 +190,14 @@ def main(argv=None) -> int:
     if args.schedule:  # libtpu reads its dump flag when it loads, so before anything compiles
         schedule.enable_dump()
     attention = attention_from(args)
-    names = list(generations.GENERATIONS) if args.generation == "all" else [args.generation]
+    if args.generation == "all":
+        names = generations.compile_targets()
+    else:
+        try:
+            names = [generations.compile_target(args.generation).name]
+        except ValueError as error:  # a generation only the other stack's libtpu compiles for
+            print(f"torchattn.aot: {error}", file=sys.stderr)
+            return 1
     body, failures = [], []
     for generation in names:
         blocks = block_sizes(args, attention, generation)

@@ -43,8 +43,9 @@ def device(generation: str):
 
 
 def slice_devices(generation: str) -> tuple:
-    """The devices of a compile-only slice of ``generation`` (4 chips: generations.Generation.topology)."""
-    return topology_devices(generations.get(generation).topology)
+    """The devices of a compile-only slice of ``generation`` (4 chips: generations.Generation.topology);
+    ValueError for a generation this environment's libtpu does not compile for (generations.compile_target)."""
+    return topology_devices(generations.compile_target(generation).topology)
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,11 +69,13 @@ def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
     import numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    sharding = NamedSharding(Mesh(np.array([device(generation)]), ("x",)), PartitionSpec())
+    chip = device(generation)
+    sharding = NamedSharding(Mesh(np.array([chip]), ("x",)), PartitionSpec())
     placed = [jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding) for s in structs]
     start = time.perf_counter()
     try:
-        with internals.pinned_mosaic_version():
+        # The default device too: newer jax's Pallas lowering reads the chip from it (tpu_info), not the arguments.
+        with internals.pinned_mosaic_version(), jax.default_device(chip):
             executable = jax.jit(fn).trace(*placed).lower().compile()
     except Exception as error:  # the compiler's message does not say which kernel it was
         error.add_note(f"while compiling {name} for {generation}")
@@ -86,6 +89,7 @@ def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1
     """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``; with
     ``partitions`` > 1, an SPMD program (torch_xla under SPMD) for that many chips of ``topology``
     (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice)."""
+    generations.compile_target(generation)  # refuses a generation this environment does not compile for
     chips = topology_devices(topology) if topology is not None else slice_devices(generation)
     if not 1 <= partitions <= len(chips):
         raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of the compile-only slice "

@@ -80,7 +80,7 @@ def enable_dump(fresh: bool = False) -> Path:
     named = re.search(pattern, flags)
     if named:
         return Path(named.group(1))
-    if _libtpu_loaded():
+    if _libtpu_initialized():
         raise RuntimeError("torchattn.aot.schedule: libtpu is already loaded in this process without "
                            f"{_FLAG}DIR in LIBTPU_INIT_ARGS, so its compiles write no schedule; call "
                            "torchattn.aot.schedule.enable_dump() (or set the variable) before anything loads libtpu")
@@ -113,6 +113,11 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
         step = schedule.step_bundles()
         step_mean, path_bundles = len(step), ()
         if kernel.grid:
+            if schedule.inner_loops:  # a grid step's bundles would count an inner loop's body once
+                raise ValueError(f"{schedule.path}: a loop inside the grid loop (bundle "
+                                 f"{hex(schedule.inner_loops[0].first)}); a kernel with a loop inside its grid step "
+                                 f"(fori_loop) is not measured: its bundles per step would not count the inner "
+                                 f"loop's trips")
             # The compiled loop runs the grid's steps (+ 2 that only move blocks) on each TensorCore it
             # uses: v5p splits the parallel steps over its 2 cores, which share the chip's HBM.
             cores = _cores(kernel, schedule)
@@ -297,8 +302,11 @@ def _compile_and_read(kernel: Kernel, generation: str, directory: Path):
 
 
 def _program_bundles(schedule: schedule_dump.Schedule) -> int:
-    """The bundles a whole program issues: its loop (if any) run as often as the compiler says."""
-    return schedule.total_bundles + (schedule.loop_trips - 1) * schedule.body_bundles
+    """The bundles a whole program issues: its loop (if any) run as often as the compiler says, and on each of
+    its iterations each loop inside it (an XLA fusion's) as often as that loop's exit test says (every
+    predicated region taken)."""
+    inner = sum((loop.trips - 1) * loop.bundles for loop in schedule.inner_loops)
+    return schedule.total_bundles + (schedule.loop_trips - 1) * schedule.body_bundles + schedule.loop_trips * inner
 
 
 def _programs(directory: Path) -> dict[str, list[str]]:
@@ -311,6 +319,17 @@ def _programs(directory: Path) -> dict[str, list[str]]:
     return found
 
 
-def _libtpu_loaded() -> bool:
+def _libtpu_initialized() -> bool:
+    """Whether libtpu may have read its flags in this process already: it is loaded, and not only by TorchTPU
+    without a TPU. torch_tpu loads libtpu when torch is imported (torch's device-backend autoload) but, with no
+    TPU, starts no runtime: flags set after it still apply to the first compile-only client (libtpu 0.0.52)."""
     with open("/proc/self/maps") as maps:
-        return any("libtpu" in line for line in maps)
+        if not any("libtpu" in line for line in maps):
+            return False
+    import sys
+
+    from . import compiler
+
+    torch_tpu_only = ("torch_tpu" in sys.modules and not sys.modules["torch"].accelerator.is_available()
+                      and compiler.topology_devices.cache_info().currsize == 0)
+    return not torch_tpu_only

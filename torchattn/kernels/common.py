@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .. import dropout, masks
 from ..roles import PAIRS
 from ..tiling import LANES, SUBLANES
-from . import arguments
+from . import arguments, compat
 from .block_geometry import BlockGeometry
 
 
@@ -108,7 +108,7 @@ def lanes(rows, width: int):
         return rows[:, :width]
     if width % LANES:
         raise ValueError(f"block width: expected fewer than {LANES} lanes or a multiple of {LANES}, got {width}")
-    return rows if width == LANES else pltpu.repeat(rows, width // LANES, axis=1)
+    return rows if width == LANES else compat.repeat(rows, width // LANES, axis=1)
 
 
 def load(ref):
@@ -152,7 +152,7 @@ def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_bloc
     if q_ids is not None:
         # (block_q, block_kv) both, by repeating whole vregs: the query ids fill all 128 lanes of their rows,
         # the key ids all 8 sublanes of their columns (kernels/arguments.py).
-        q_ids, kv_ids = lanes(q_ids, bkv), pltpu.repeat(kv_ids, bq // SUBLANES, axis=0)
+        q_ids, kv_ids = lanes(q_ids, bkv), compat.repeat(kv_ids, bq // SUBLANES, axis=0)
     if not masked:
         if q_ids is None:
             return s, None, capped

@@ -139,7 +139,7 @@ def pallas_graph(mesh, stablehlo_path: str) -> dict:
     the operand shapes of its tpu_custom_calls before partitioning (a manual region's shapes are per
     device). The graph's StableHLO goes to ``stablehlo_path`` for the TPU compiler (tests/test_spmd.py)."""
     devices.xla_device_type = lambda: "TPU"
-    devices.xla_device_kind = lambda device: "TPU v5 lite"
+    devices.device_kind = lambda device: "TPU v5 lite"
     arrays, kwargs = inputs("gqa_causal_segments_head_bias")
     device = torch_xla.device()
     leaves = {name: arrays[name].to(torch.bfloat16).to(device).requires_grad_() for name in ("q", "k", "v")}

@@ -134,7 +134,7 @@ def pallas_graph(mesh, stablehlo_path: str) -> None:
     """The pallas backend's forward + backward graph, context=4 balanced, causal with segment ids, bfloat16,
     on a faked TPU v5e: built, not run; its StableHLO goes to ``stablehlo_path``."""
     devices.xla_device_type = lambda: "TPU"
-    devices.xla_device_kind = lambda device: "TPU v5 lite"
+    devices.device_kind = lambda device: "TPU v5 lite"
     arrays, kwargs = inputs("gqa_causal_segments_softcap")
     device = torch_xla.device()
     leaves = {name: arrays[name].to(torch.bfloat16).to(device).requires_grad_() for name in ("q", "k", "v")}

@@ -88,7 +88,7 @@ def tpu_of_kind(monkeypatch):
     """Fakes a TPU of a given generation: torchattn's device reads answer for it (tensors stay on XLA:CPU)."""
     def fake(name: str):
         monkeypatch.setattr(devices, "xla_device_type", lambda: "TPU")
-        monkeypatch.setattr(devices, "xla_device_kind", lambda device: generations.get(name).device_kind)
+        monkeypatch.setattr(devices, "device_kind", lambda device: generations.get(name).device_kind)
         monkeypatch.setattr(once, "_shown", set())
     return fake
 

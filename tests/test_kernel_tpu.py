@@ -1,7 +1,7 @@
 """The same matrix on a real TPU with the compiled ``pallas`` backend (skipped elsewhere).
 
 Run on a TPU VM with ``PJRT_DEVICE=TPU TEST_STACKS=xla bash scripts/test.sh -m tpu``
-(the ``tpu`` extra installs libtpu, the TPU runtime).
+(the ``xla`` extra installs libtpu, the TPU runtime).
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def test_pallas_kernels_receive_ids_that_keep_documents_apart(cross, device, fak
     class Captured(Exception):
         pass
 
-    def capture(fn, args, out_shapes, *, name, interpret):
+    def capture(role, spec, args, out_shapes, *, interpret):
         received.extend(args)
         raise Captured
 

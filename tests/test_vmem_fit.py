@@ -20,8 +20,7 @@ jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")
 
 from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax  # noqa: E402
-from torchattn.kernels.backward import dkv_call, dq_call, fused_call  # noqa: E402
-from torchattn.kernels.forward import forward_call  # noqa: E402
+from torchattn.kernels import kernel_function  # noqa: E402
 
 MiB = 1 << 20
 # The promise of the estimate: never below the compiler's need, at most this far above it.
@@ -35,12 +34,9 @@ def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, 
     forward_spec, backward_spec = attention.specs(BlockSizes(block_q, block_kv, block_q, block_kv), generation)
     spec = dataclasses.replace(forward_spec if kernel == "forward" else backward_spec, vmem_limit_bytes=vmem_limit)
     forward_args, backward_args = argument_structs(spec)
-    fn, args = {"forward": (forward_call, forward_args),
-                "backward_dq": (lambda s: dq_call(s, s.score_grad), backward_args),
-                "backward_dkv": (dkv_call, backward_args),
-                "backward_fused": (lambda s: fused_call(s, s.score_grad), backward_args)}[kernel]
+    args = forward_args if kernel == "forward" else backward_args
     try:
-        compile_jax(fn(spec), args, generation, kernel)
+        compile_jax(kernel_function(kernel, spec), args, generation, kernel)
     except Exception as error:  # libtpu raises XlaRuntimeError
         if "RESOURCE_EXHAUSTED" not in str(error) or "vmem" not in str(error):
             raise

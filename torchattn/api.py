@@ -101,7 +101,8 @@ def explain(q, k, v, *, backend: str = "auto", **kwargs) -> backends.Choice:
     """Which backend :func:`flash_attention` would use for these arguments, and why.
 
     Takes the same arguments. Returns a ``Choice`` with ``backend`` (the name
-    chosen) and ``passed_over`` (name -> reason, for every other backend).
+    chosen), ``passed_over`` (name -> reason, for every other backend) and
+    ``runtime`` (what the tensors run on: "torch_xla", "TorchTPU" or "torch").
     Computes nothing.
     """
     try:

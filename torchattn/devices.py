@@ -42,28 +42,38 @@ def xla_device_type() -> str:
 
 
 def kind(device: torch.device) -> str:
-    """"tpu" (an XLA device on a TPU), "xla" (any other XLA device) or "torch" (plain tensors)."""
+    """"tpu" (an XLA device on a TPU, or a TorchTPU device), "xla" (any other XLA device) or "torch" (plain
+    tensors)."""
+    if device.type == "tpu":
+        return "tpu"
     if device.type != "xla":
         return "torch"
     return "tpu" if xla_device_type() == "TPU" else "xla"
 
 
+def runtime(device: torch.device) -> str:
+    """What runs a call's kernels on ``device`` (torchattn.explain says it): "torch_xla", "TorchTPU", or "torch"
+    for plain tensors (there the ``interpret`` backend runs the kernels through JAX on the CPU)."""
+    return {"xla": "torch_xla", "tpu": "TorchTPU"}.get(device.type, "torch")
+
+
 def tpu_generation(device: torch.device) -> str | None:
-    """The TPU generation ("v4", "v5e", "v5p", "v6e", "v7x") of an XLA device on a TPU; None otherwise
-    (any other device, or a TPU kind torchattn has no table for)."""
+    """The TPU generation ("v4", "v5e", "v5p", "v6e", "v7x") of a TPU device (torch_xla's or TorchTPU's);
+    None otherwise (any other device, or a TPU kind torchattn has no table for)."""
     if kind(device) != "tpu":
         return None
     from . import generations
 
-    chip = xla_device_kind(device)
-    found = generations.from_device_kind(chip)
+    found = generations.from_device_kind(device_kind(device))
     return None if found is None else found.name
 
 
-def xla_device_kind(device: torch.device) -> str:
-    """What the chip behind an XLA device calls itself: "TPU v5 lite", "TPU v6 lite", ..."""
+def device_kind(device: torch.device) -> str:
+    """What the chip behind a TPU device calls itself: "TPU v5 lite", "TPU v6 lite", "TPU7x", ..."""
     if _seen_kind is not None:
         return _seen_kind
+    if device.type == "tpu":
+        return torch.tpu.get_device_name(device)
     import torch_xla.core.xla_model as xm
 
     return xm.xla_device_kind(device)

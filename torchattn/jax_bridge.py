@@ -1,10 +1,15 @@
-"""JAX <-> torch plumbing: runs a Pallas kernel function on XLA tensors or on CPU tensors.
+"""JAX <-> torch plumbing: runs a Pallas kernel (torchattn.kernels.kernel_function, by role and spec) on the
+tensors of one of three runtimes.
 
-On CPU tensors (the ``interpret`` backend without torch_xla, as on the TorchTPU stack: docs/versions.md)
-the tensors cross to JAX by DLPack, without a copy where their layout allows, and the kernel function,
-jitted once, runs in Pallas interpret mode on JAX's CPU backend; its results cross back the same way.
+On TorchTPU tensors (device type "tpu", the current stack: docs/versions.md) the kernel runs as a torch op
+registered through TorchTPU's public Pallas bridge (torchattn/torchtpu.py); on meta tensors the same ops give
+the shapes, without a TPU.
 
-On XLA tensors, two entry paths, one per backend:
+On CPU tensors (the ``interpret`` backend without torch_xla, as on the TorchTPU stack) the tensors cross to
+JAX by DLPack, without a copy where their layout allows, and the kernel function, jitted once, runs in Pallas
+interpret mode on JAX's CPU backend; its results cross back the same way.
+
+On torch_xla tensors, two entry paths, one per backend:
 
 - interpret (``interpret=True``): ``torch_xla.core.xla_builder.call_jax`` traces
   the jax function (a ``pallas_call`` with ``interpret=True``, which lowers to
@@ -18,8 +23,8 @@ On XLA tensors, two entry paths, one per backend:
   tests. This path needs private entry points (the same ones torch_xla's own
   Pallas flash attention uses); they live in torchattn/internals.py.
 
-Each call runs inside a named profiler scope so it shows by name in TPU profiles.
-Both paths cache by the function object and argument shapes: the kernel
+Each call runs inside a named profiler scope ("torchattn.forward", ...) so it shows by name in profiles.
+The paths cache by the function object and argument shapes: the kernel
 builders are memoised per static spec, so a repeated call re-traces nothing
 (counted: ``torchattn.counters``, ``jax_traces``).
 """
@@ -33,12 +38,23 @@ import torch
 from . import counters, internals
 
 
-def call(fn, args, out_shapes, *, name: str, interpret: bool) -> tuple[torch.Tensor, ...]:
-    """Runs jax function ``fn`` on tensors ``args``, all on one XLA device or all on the CPU (interpret only).
+def call(role: str, spec, args, out_shapes, *, interpret: bool) -> tuple[torch.Tensor, ...]:
+    """Runs the kernel ``role`` (torchattn.kernels.ROLES) at KernelSpec ``spec`` on tensors ``args``, all on one
+    device: an XLA device, the CPU (interpret only), a TorchTPU device or meta (compiled only).
 
-    out_shapes: [(shape, torch dtype)] of fn's outputs (needed by the TPU custom call).
+    out_shapes: [(shape, torch dtype)] of its outputs (needed by torch_xla's TPU custom call).
     """
-    if args[0].device.type == "cpu":
+    from .kernels import kernel_function
+
+    name, device = f"torchattn.{role}", args[0].device.type
+    if device in ("tpu", "meta"):
+        if interpret:
+            raise ValueError(f"interpret: the kernels run in interpret mode on XLA or CPU tensors, not on {device}")
+        from . import torchtpu
+
+        return torchtpu.call(role, spec, args)
+    fn = kernel_function(role, spec)
+    if device == "cpu":
         with torch.profiler.record_function(name):
             return _on_cpu(fn, args)
     import torch_xla.debug.profiler as xp

@@ -27,9 +27,8 @@ FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "retu
 
 
 def unavailable(request: Request) -> str | None:
-    """Why neither mode of the kernels can serve ``request`` (the ``pallas`` backend also needs a TPU)."""
-    if request.device.type not in ("xla", "cpu"):
-        return f"needs tensors on an XLA device or the CPU; got {request.device.type}"
+    """Why neither mode of the kernels can serve ``request`` on its device, which each backend checks first
+    (``pallas``: a TPU; ``interpret``: XLA or CPU)."""
     if request.device.type == "cpu" and importlib.util.find_spec("jax") is None:
         return "runs the kernels on CPU tensors through JAX, which is not installed"
     if request.dtype not in KERNEL_DTYPES:
@@ -145,21 +144,18 @@ def check_fits(tensors: Tensors, options: Options) -> None:
 
 
 def forward(tensors: Tensors, options: Options, *, interpret: bool):
-    from .kernels.forward import forward_call
-
     q = tensors.q
     spec = kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, interpret)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
     kernel_args = _kernel_arguments(spec, kernel_key(tensors), _present(tensors), backward=False)
-    out, lse = jax_bridge.call(forward_call(spec), kernel_args, out_shapes, name="torchattn.forward",
-                               interpret=interpret)
+    out, lse = jax_bridge.call("forward", spec, kernel_args, out_shapes, interpret=interpret)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
 
 def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, interpret: bool):
     """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
-    from .kernels import backward as kernels
+    from .kernels.backward import fused
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
@@ -172,19 +168,16 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     pair_grads = [array for array in spec.arrays if array.grad]
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
-    if kernels.fused(spec):
+    if fused(spec):
         partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
                     torch.float32)
-        dk, dv, partials, *ds = jax_bridge.call(kernels.fused_call(spec, bool(pair_grads)), kernel_args,
-                                                [kv_shape, kv_shape, partials, *ds_shape],
-                                                name="torchattn.backward_fused", interpret=interpret)
+        dk, dv, partials, *ds = jax_bridge.call("backward_fused", spec, kernel_args,
+                                                [kv_shape, kv_shape, partials, *ds_shape], interpret=interpret)
         dq = sum_dq_partials(spec, partials).to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
-        dq, *ds = jax_bridge.call(kernels.dq_call(spec, bool(pair_grads)), kernel_args, [dq_shape, *ds_shape],
-                                  name="torchattn.backward_dq", interpret=interpret)
-        dk, dv = jax_bridge.call(kernels.dkv_call(spec), kernel_args, [kv_shape, kv_shape],
-                                 name="torchattn.backward_dkv", interpret=interpret)
+        dq, *ds = jax_bridge.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape], interpret=interpret)
+        dk, dv = jax_bridge.call("backward_dkv", spec, kernel_args, [kv_shape, kv_shape], interpret=interpret)
     d = q.shape[3]
     grads = dict(q=dq[:, :, : spec.q_len, :d], k=dk[:, :, : spec.kv_len, :d], v=dv[:, :, : spec.kv_len, :d])
     for array in pair_grads:  # an additive term per (q, kv) pair: its gradient is ds, summed where it broadcasts

@@ -79,8 +79,9 @@ _entries: dict[Key, Tuned] | None = None  # None until the file is read
 
 
 def device_kind(device: torch.device) -> str:
-    """"xla:" and what an XLA device's chip calls itself ("xla:TPU v5 lite", "xla:cpu"); else the device type."""
-    return f"xla:{devices.xla_device_kind(device)}" if device.type == "xla" else device.type
+    """The device type and what a torch_xla or TorchTPU device's chip calls itself ("xla:TPU v5 lite", "xla:cpu",
+    "tpu:TPU7x"); else the device type."""
+    return f"{device.type}:{devices.device_kind(device)}" if device.type in ("xla", "tpu") else device.type
 
 
 def path() -> Path:

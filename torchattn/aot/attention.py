@@ -99,8 +99,8 @@ def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSi
                      backward: str = "auto") -> list[tuple]:
     """(name, jax function, argument structs, KernelSpec) of the kernels :func:`compile_attention`
     compiles, block sizes and ``backward`` as it takes them (and refused as it refuses them)."""
-    from ..kernels.backward import dkv_call, dq_call, fused, fused_call
-    from ..kernels.forward import forward_call
+    from ..kernels import kernel_function
+    from ..kernels.backward import fused
     import jax
     import jax.numpy as jnp
 
@@ -113,14 +113,14 @@ def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSi
     fwd_spec, bwd_spec = attention.specs(blocks, generation)
     fwd_args, _ = argument_structs(fwd_spec)
     _, bwd_args = argument_structs(bwd_spec)
-    forward = [("forward", forward_call(fwd_spec), fwd_args, fwd_spec)]
+    forward = [("forward", kernel_function("forward", fwd_spec), fwd_args, fwd_spec)]
     if backward == "fused" or (backward == "auto" and fused(bwd_spec)):
         partials = jax.ShapeDtypeStruct((bwd_spec.batch, bwd_spec.q_heads, bwd_spec.blocks.dq_partial_slots,
                                          bwd_spec.q_pad, bwd_spec.head_dim), jnp.float32)
-        return forward + [("backward_fused", fused_call(bwd_spec, bwd_spec.score_grad), bwd_args, bwd_spec),
+        return forward + [("backward_fused", kernel_function("backward_fused", bwd_spec), bwd_args, bwd_spec),
                           ("dq_reduction", dq_reduction(bwd_spec), [partials], bwd_spec)]
-    return forward + [("backward_dq", dq_call(bwd_spec, bwd_spec.score_grad), bwd_args, bwd_spec),
-                      ("backward_dkv", dkv_call(bwd_spec), bwd_args, bwd_spec)]
+    return forward + [(role, kernel_function(role, bwd_spec), bwd_args, bwd_spec)
+                      for role in ("backward_dq", "backward_dkv")]
 
 
 def dq_reduction(spec):

@@ -29,10 +29,12 @@ _PREFERENCE = {
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """What :func:`torchattn.explain` returns."""
+    """What :func:`torchattn.explain` returns: the backend chosen, why each other one was passed over, and the
+    runtime the call's tensors belong to (torchattn.devices.runtime: "torch_xla", "TorchTPU" or "torch")."""
 
     backend: str
     passed_over: dict[str, str]
+    runtime: str
 
 
 def preference(request: Request) -> tuple[str, ...]:
@@ -59,7 +61,7 @@ def choose(request: Request, backend: str = "auto") -> Choice:
             raise ValueError(f"backend: {backend!r} cannot serve this call: {reasons[backend]}")
         chosen = backend
         passed_over = {n: r or f"not requested (backend={backend!r})" for n, r in reasons.items() if n != chosen}
-        return Choice(chosen, passed_over)
+        return Choice(chosen, passed_over, devices.runtime(request.device))
     kind = devices.kind(request.device)
     order = preference(request)
     chosen = next((name for name in order if reasons[name] is None), None)  # reference serves all but sharded rows
@@ -74,7 +76,7 @@ def choose(request: Request, backend: str = "auto") -> Choice:
             reason = (f"lower priority than {chosen!r} on this device" if name in order
                       else f"not used automatically for {kind} devices; request it explicitly")
         passed_over[name] = reason
-    return Choice(chosen, passed_over)
+    return Choice(chosen, passed_over, devices.runtime(request.device))
 
 
 def select(request: Request, backend: str = "auto") -> Backend:

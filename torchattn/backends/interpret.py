@@ -1,7 +1,8 @@
 """``interpret``: the Pallas TPU kernels in Pallas interpret mode, on any XLA device.
 
 The same kernel source as ``pallas``, lowered to plain HLO and embedded in the
-torch_xla graph through ``call_jax``: how the kernels are proven without a TPU.
+torch_xla graph through ``call_jax``, or run by JAX on CPU tensors (torchattn/jax_bridge.py): how the
+kernels are proven without a TPU.
 """
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ import functools
 
 from .. import kernel_calls
 from ..backend import Backend
+from ..request import Request
 
-BACKEND = Backend("interpret", kernel_calls.unavailable, kernel_calls.FEATURES,
+
+def unavailable(request: Request) -> str | None:
+    if request.device.type not in ("xla", "cpu"):
+        return f"runs the kernels on XLA devices or CPU tensors; got {request.device.type}"
+    return kernel_calls.unavailable(request)
+
+
+BACKEND = Backend("interpret", unavailable, kernel_calls.FEATURES,
                   forward=functools.partial(kernel_calls.forward, interpret=True),
                   backward=functools.partial(kernel_calls.backward, interpret=True), per_device=True)

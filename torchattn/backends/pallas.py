@@ -1,7 +1,8 @@
-"""``pallas``: the Pallas kernels compiled by Mosaic for TPU.
+"""``pallas``: the Pallas kernels compiled by Mosaic for TPU, on either runtime.
 
-Each kernel enters the torch_xla graph as a ``tpu_custom_call`` (see
-torchattn/jax_bridge.py for why this path and not ``call_jax``).
+On torch_xla each kernel enters the graph as a ``tpu_custom_call`` (see torchattn/jax_bridge.py for why
+this path and not ``call_jax``); on TorchTPU each is a torch op registered through ``torch.tpu.pallas.jax_op``
+(torchattn/torchtpu.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from ..request import Request
 
 
 def unavailable(request: Request) -> str | None:
+    if request.device.type == "tpu":  # TorchTPU's device: a TPU by definition
+        return kernel_calls.unavailable(request)
     if request.device.type != "xla":
-        return f"needs tensors on a TPU XLA device; got {request.device.type}"
+        return f"needs tensors on a TPU (torch_xla's XLA device or TorchTPU's tpu device); got {request.device.type}"
     device_type = devices.xla_device_type()
     if device_type != "TPU":
         return f"needs a TPU; the XLA device is {device_type} (use 'interpret' to run the same kernels)"

@@ -1,0 +1,239 @@
+"""The TorchTPU runtime (torchattn/torchtpu.py): the kernels as ops of ``torch.tpu.pallas.jax_op``.
+
+Without a TPU (no "tpu" device exists here), everything short of running them: the ops' registration, their
+spec argument, the shapes every feature gets on meta tensors (TorchTPU's fakes export each kernel for TPU
+through Mosaic to find them), the forward and backward graphs traced on meta tensors, and a torch.export'ed
+call whose kernel ops libtpu compiles for v5e, v6e and v7x. The float64-reference tests on a TorchTPU
+device are marked ``tpu`` (docs/versions.md says how to run them on a TPU VM).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("torch_tpu", reason="needs torch_tpu: runs in .venv-current (TorchTPU's stack)")
+
+import jax  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+import torchattn  # noqa: E402
+from torchattn import api, backends, devices, kernel_calls, spmd, torchtpu  # noqa: E402
+from torchattn.aot import compiler  # noqa: E402
+from torchattn.kernels import ROLES, kernel_function  # noqa: E402
+from matrix import pairwise_cases  # noqa: E402
+from numerics import check_backend  # noqa: E402
+
+PALLAS = backends.BACKENDS["pallas"]
+
+# Every feature the kernels serve, each alone and all at once: (q_len, kv_len, q_heads, kv_heads, head_dim,
+# dtype, flash_attention's keyword arguments); "segments" and "bias" are made by _meta_request.
+CASES = {
+    "plain": (200, 200, 4, 4, 64, torch.float32, {}),
+    "causal_gqa": (200, 200, 4, 2, 64, torch.bfloat16, dict(causal=True)),
+    "window_cross": (200, 300, 4, 2, 64, torch.float32, dict(window=(64, 0))),
+    "segment_ids": (200, 300, 4, 2, 64, torch.bfloat16, dict(segments=True)),
+    "softcap": (200, 200, 4, 2, 128, torch.bfloat16, dict(softcap=20.0)),
+    "bias_full": (200, 300, 4, 2, 64, torch.float32, dict(bias=(1, 4, 200, 300))),
+    "bias_broadcast": (200, 300, 4, 2, 64, torch.float32, dict(bias=(1, 1, 1, 300))),
+    "dropout": (200, 200, 4, 2, 64, torch.bfloat16, dict(dropout_p=0.1, dropout_seed=7)),
+    "everything_d256": (200, 300, 4, 2, 256, torch.bfloat16,
+                        dict(causal=True, segments=True, softcap=30.0, bias=(1, 4, 200, 300), dropout_p=0.1,
+                             dropout_seed=7)),
+}
+
+
+def _meta_request(case: str, generation: str | None = "v6e"):
+    """The request of CASES[case] on meta tensors, as a call on a TorchTPU device of ``generation`` makes it."""
+    q_len, kv_len, q_heads, kv_heads, head_dim, dtype, kwargs = CASES[case]
+    kwargs = dict(kwargs)
+    q = torch.empty(1, q_heads, q_len, head_dim, device="meta", dtype=dtype)
+    k = torch.empty(1, kv_heads, kv_len, head_dim, device="meta", dtype=dtype)
+    if kwargs.pop("segments", False):
+        kwargs.update(segment_ids=torch.empty(1, q_len, device="meta", dtype=torch.int32),
+                      kv_segment_ids=torch.empty(1, kv_len, device="meta", dtype=torch.int32))
+    if "bias" in kwargs:
+        kwargs["bias"] = torch.empty(kwargs["bias"], device="meta", dtype=dtype)
+    request = api.validated(q, k, k, **kwargs)
+    request.options = dataclasses.replace(request.options, generation=generation)
+    return request
+
+
+def _op_tensors(request):
+    """The tensors and options the custom ops' bodies get for ``request`` (one device's: there is one)."""
+    seen = []
+    spmd.run(request, lambda tensors, options: seen.append((tensors, options)) or (None, None), per_device=True)
+    return seen[0]
+
+
+def _forward_backward(tensors, options, wanted):
+    """What the ``pallas`` backend runs on a TorchTPU device for one call, forward then backward."""
+    out, lse = PALLAS.forward(tensors, options)
+    grads = PALLAS.backward(torch.empty_like(out), torch.empty_like(lse), out, lse, tensors, options, wanted)
+    return out, lse, grads
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    """The kernel roles launched through torchtpu.call, in order."""
+    roles = []
+    call = torchtpu.call
+
+    def spy(role, spec, args):
+        roles.append(role)
+        return call(role, spec, args)
+
+    monkeypatch.setattr(torchtpu, "call", spy)
+    return roles
+
+
+def test_the_ops_are_registered_with_their_schema():
+    ops = torchtpu.ops()
+    assert sorted(ops) == sorted(ROLES)
+    for role in ROLES:
+        schema = str(getattr(torch.ops.torchattn_tpu, role).default._schema)
+        assert schema == f"torchattn_tpu::{role}(Tensor key, Tensor[] arrays, str spec) -> Tensor[]"
+
+
+@pytest.mark.parametrize("case", ["everything_d256", "bias_broadcast"])
+def test_the_spec_argument_gives_back_the_same_spec(case):
+    tensors, options = _op_tensors(_meta_request(case))
+    spec = kernel_calls.kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv,
+                                    interpret=False)
+    text = torchtpu.spec_text(spec)
+    assert torchtpu.kernel_spec(text) == spec
+    assert torchtpu.spec_text(torchtpu.kernel_spec(text)) == text
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_meta_shapes_for_every_feature(case, launched):
+    """Forward and backward through the four ops on meta tensors: each output where the call expects it,
+    shaped and typed as flash_attention returns them; a per-pair bias gets its gradient, in its own shape."""
+    request = _meta_request(case)
+    tensors, options = _op_tensors(request)
+    wanted = ("bias",) if request.bias is not None else ()
+    out, lse, grads = _forward_backward(tensors, options, wanted)
+    assert (out.shape, out.dtype, out.device.type) == (request.q.shape, request.q.dtype, "meta")
+    assert (lse.shape, lse.dtype) == (request.q.shape[:3], torch.float32)
+    expected = {"q": request.q, "k": request.k, "v": request.v, **({"bias": request.bias} if wanted else {})}
+    assert {name: (g.shape, g.dtype) for name, g in grads.items()} == {
+        name: (t.shape, t.dtype) for name, t in expected.items()}
+    assert launched == ["forward", "backward_fused"]  # off the chip's limits the backward is fused
+
+
+def test_a_long_call_takes_the_split_backward(launched):
+    """v5e, 32k tokens, 32 heads: the fused backward's dq partials would take more than its share of HBM
+    (kernels.backward.fused), so the dq and dk/dv ops run; on meta tensors the length costs nothing."""
+    q = torch.empty(1, 32, 32768, 128, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(1, 8, 32768, 128, device="meta", dtype=torch.bfloat16)
+    request = api.validated(q, k, k, causal=True)
+    tensors, options = _op_tensors(request)
+    out, lse, grads = _forward_backward(tensors, dataclasses.replace(options, generation="v5e"), ())
+    assert launched == ["forward", "backward_dq", "backward_dkv"]
+    assert grads["q"].shape == q.shape and grads["k"].shape == k.shape
+
+
+def _ops_in(graph) -> list[str]:
+    return [str(node.target) for node in graph.nodes if str(node.target).startswith("torchattn_tpu.")]
+
+
+def test_the_backward_graph_on_meta_tensors():
+    """make_fx over what a TorchTPU device runs for a call with a bias gradient: the kernel ops appear as
+    graph nodes (one forward, one fused backward), between the torch ops that lay the tensors out."""
+    tensors, options = _op_tensors(_meta_request("everything_d256"))
+    present = [t for t in tensors.values() if t is not None]
+
+    def run(*values):
+        it = iter(values)
+        call = type(tensors)(*[None if t is None else next(it) for t in tensors.values()])
+        out, lse, grads = _forward_backward(call, options, ("bias",))
+        return out, lse, *grads.values()
+
+    graph = make_fx(run)(*present).graph
+    assert _ops_in(graph) == ["torchattn_tpu.forward.default", "torchattn_tpu.backward_fused.default"]
+    outputs = next(node for node in graph.nodes if node.op == "output").args[0]
+    assert [tuple(node.meta["val"].shape) for node in outputs][2:] == [
+        tuple(tensors.q.shape), tuple(tensors.k.shape), tuple(tensors.v.shape), tuple(tensors.bias.shape)]
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
+def test_an_exported_call_compiles_with_libtpu(generation):
+    """torch.export of the call's forward and backward on meta tensors, then each kernel op of the exported
+    graph compiled by libtpu's compile-only client for ``generation``, from the op's own arguments."""
+    tensors, options = _op_tensors(_meta_request("causal_gqa", generation))
+    present = [t for t in tensors.values() if t is not None]
+
+    class Call(torch.nn.Module):
+        def forward(self, *values):
+            it = iter(values)
+            call = type(tensors)(*[None if t is None else next(it) for t in tensors.values()])
+            out, lse, grads = _forward_backward(call, options, ())
+            return out, lse, grads["q"], grads["k"], grads["v"]
+
+    program = torch.export.export(Call(), tuple(present))
+    nodes = [node for node in program.graph.nodes if str(node.target).startswith("torchattn_tpu.")]
+    assert _ops_in(program.graph) == ["torchattn_tpu.forward.default", "torchattn_tpu.backward_fused.default"]
+    for node in nodes:
+        role, spec = str(node.target).split(".")[1], torchtpu.kernel_spec(node.args[2])
+        assert spec.options.generation == generation
+        structs = [jax.ShapeDtypeStruct(tuple(a.meta["val"].shape), str(a.meta["val"].dtype).removeprefix("torch."))
+                   for a in (node.args[0], *node.args[1])]
+        compiled = compiler.compile_jax(kernel_function(role, spec), structs, generation, role)
+        assert compiled.output_bytes > 0
+
+
+def test_explain_names_the_runtime():
+    q = torch.randn(1, 2, 16, 8)
+    assert torchattn.explain(q, q, q).runtime == "torch"
+    assert devices.runtime(torch.device("meta")) == "torch"
+
+
+def test_interpret_refuses_a_torchtpu_device_and_pallas_takes_it():
+    """Refusals read the request's device only: a stand-in for a TorchTPU one (none exists off a TPU VM)."""
+    request = _meta_request("plain")
+    tpu = type("Device", (), {"type": "tpu"})()
+    stand_in = type("Request", (), {"device": tpu, "dtype": request.dtype})()
+    assert backends.BACKENDS["pallas"].unavailable(stand_in) is None
+    assert backends.BACKENDS["interpret"].unavailable(stand_in) == (
+        "runs the kernels on XLA devices or CPU tensors; got tpu")
+    assert devices.runtime(tpu) == "TorchTPU" and devices.kind(tpu) == "tpu"
+
+
+# On a TPU VM with TorchTPU (docs/versions.md): the compiled kernels against float64, every feature.
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("case", pairwise_cases(), ids=str)
+def test_pallas_on_a_torchtpu_device_matches_reference(case):
+    check_backend(case, "pallas", device=torch.device("tpu"))
+
+
+@pytest.mark.tpu
+def test_explain_on_a_torchtpu_device():
+    q = torch.randn(1, 2, 128, 64, device="tpu")
+    choice = torchattn.explain(q, q, q, causal=True)
+    assert (choice.backend, choice.runtime) == ("pallas", "TorchTPU")
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("mode", ["compile", "export"])
+def test_compile_and_export_on_a_torchtpu_device(mode):
+    q, k, v = (torch.randn(1, 4, 256, 64, device="tpu", requires_grad=True) for _ in range(3))
+
+    def attention(q, k, v):
+        return torchattn.flash_attention(q, k, v, causal=True)
+
+    eager = attention(q, k, v)
+    if mode == "compile":
+        got = torch.compile(attention, fullgraph=True)(q, k, v)
+    else:
+        class Attention(torch.nn.Module):
+            def forward(self, q, k, v):
+                return attention(q, k, v)
+
+        got = torch.export.export(Attention(), (q, k, v)).module()(q, k, v)
+    torch.testing.assert_close(got, eager)
+    got.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape

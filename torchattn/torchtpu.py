@@ -1,0 +1,91 @@
+"""The TorchTPU runtime: torchattn's Pallas kernels as torch ops, through TorchTPU's public Pallas bridge.
+
+On a TorchTPU device (tensors of device type "tpu"; the current stack, docs/versions.md) the ``pallas``
+backend runs as on torch_xla: torchattn's autograd Function over its two custom ops
+(torchattn/autograd.py, with fakes, so eager, ``torch.compile`` and ``torch.export`` see one op each way),
+whose bodies (torchattn/kernel_calls.py) pad and lay out the tensors and launch the kernels. Here each
+launch is one of four ops ``torch.tpu.pallas.jax_op`` registers, one per kernel role (torchattn.kernels.ROLES):
+
+    torchattn_tpu::forward, ::backward_fused, ::backward_dq, ::backward_dkv
+    (Tensor key, Tensor[] arrays, str spec) -> Tensor[]
+
+``spec`` is the launch's KernelSpec as JSON (a schema takes no dataclass; the kernels are built from it,
+memoised, as everywhere). TorchTPU exports the jax function for TPU (jax.export: the Pallas kernel lowered
+by Mosaic) and runs it; its fake implementation reads the output shapes from that export, so the ops also
+run on meta tensors on a machine without a TPU, which is how the suite checks them
+(tests/test_torchtpu.py). Each launch runs in a profiler scope named like torch_xla's ("torchattn.forward").
+"""
+
+import contextlib
+import dataclasses
+import functools
+import json
+import warnings
+
+import torch
+
+NAMESPACE = "torchattn_tpu"
+
+
+def call(role: str, spec, args) -> tuple[torch.Tensor, ...]:
+    """Runs kernel ``role`` at KernelSpec ``spec`` on ``args`` (the key, then the arrays; TorchTPU or meta)."""
+    op = ops()[role]
+    with torch.profiler.record_function(f"torchattn.{role}"), _lowering_chip(spec, args[0].device):
+        return tuple(op(args[0], list(args[1:]), spec_text(spec)))
+
+
+@functools.lru_cache(maxsize=None)
+def ops() -> dict:
+    """{role: the registered op}; registered on first use (importing torch_tpu, which adds ``torch.tpu``)."""
+    import jax
+    import torch_tpu  # noqa: F401
+
+    from .kernels import ROLES, kernel_function
+
+    def op(role):
+        # Annotated: jax_op derives the op's schema from the annotations (tensors vs static arguments).
+        def launch(key: jax.Array, arrays: list[jax.Array], spec: str) -> tuple[jax.Array, ...]:
+            return tuple(kernel_function(role, kernel_spec(spec))(key, *arrays))
+
+        launch.__name__ = launch.__qualname__ = role
+        with warnings.catch_warnings():  # "jax_op is experimental": said once in docs/versions.md, not per op
+            warnings.filterwarnings("ignore", message=".*jax_op is experimental")
+            return torch.tpu.pallas.jax_op(f"{NAMESPACE}::{role}", launch)
+
+    return {role: op(role) for role in ROLES}
+
+
+def spec_text(spec) -> str:
+    """A KernelSpec as the ops' ``spec`` argument: JSON, its options as the custom ops carry them."""
+    fields = {field.name: getattr(spec, field.name) for field in dataclasses.fields(spec)}
+    fields["options"] = list(spec.options.op_arguments())
+    fields["arrays"] = [dataclasses.asdict(array) for array in spec.arrays]
+    return json.dumps(fields, sort_keys=True)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_spec(text: str):
+    """Inverse of :func:`spec_text` (memoised: one spec object per text, so the kernel builders' caches hit)."""
+    from .kernels.arguments import Array
+    from .kernels.common import KernelSpec
+    from .request import Options
+
+    fields = json.loads(text)
+    fields["options"] = Options.from_op_arguments(fields["options"])
+    fields["arrays"] = tuple(Array(**{**array, "broadcast": None if array["broadcast"] is None
+                                      else tuple(array["broadcast"])}) for array in fields["arrays"])
+    return KernelSpec(**fields)
+
+
+def _lowering_chip(spec, device: torch.device):
+    """On meta tensors, JAX's default device as a compile-only chip of the spec's generation (else the newest
+    this libtpu compiles for): newer jax's Mosaic lowering reads the chip from the default device, which
+    off a TPU is the CPU ("Unsupported TPU device kind: cpu"). On a TPU, JAX is left as TorchTPU set it."""
+    if device.type != "meta":
+        return contextlib.nullcontext()
+    import jax
+
+    from . import generations
+    from .aot import compiler
+
+    return jax.default_device(compiler.device(spec.options.generation or generations.compile_targets()[-1]))

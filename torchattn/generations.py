@@ -91,10 +91,9 @@ GENERATIONS = {
         # is one of a chip's two TensorCores, as on v4 (8 for the 4 chips of tpu7x:2x2x1; libtpu 0.0.52 allocates
         # 94.74 GiB of each 96); 64 MiB of VMEM per core (the compiler's report), like v5p's, so the same 48 MiB
         # limit. Only libtpu 0.0.52 (the current stack) compiles for it; its densest matmul is libtpu 0.0.52's
-        # (docs/bench/mxu-calibration-v7x.csv). Its blocks are PROVISIONAL, v5p's (the same VMEM): not yet
-        # searched (scripts/search_blocks.py --generation v7x in .venv-current).
+        # (docs/bench/mxu-calibration-v7x.csv). Blocks: scripts/search_blocks.py (docs/bench/blocks-v7x.csv).
         Generation("v7x", "TPU7x", "tpu7x:2x2x1", 2307e12, 7370e9, 192 * GiB, 64 * MiB, 48 * MiB,
-                   blocks=(512, 512, 1024, 1024), blocks_wide_heads=(512, 512, 512, 1024),
+                   blocks=(1024, 1024, 1024, 1024), blocks_wide_heads=(1024, 1024, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(1024, 1024, 512), mxu_macs_per_bundle=464_020,
                    stacks=("current",)),
     )

@@ -45,6 +45,9 @@ class Kernel:
     # How many grid steps run each of the body's alternative paths (its outermost every-step regions, in
     # program order: schedule_dump.Schedule.path_regions); () when every visible step runs all of them.
     path_steps: tuple[int, ...] = ()
+    # Of those outermost every-step regions, the ones that run once per row of tiles though the schedule cannot
+    # tell (their predicate is a flag the kernel reads, not a grid index: Tokamax's init and write): indices.
+    row_regions: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,9 @@ class Estimate:
     mxu_bundles: int  # every-step bundles that issue to an MXU
     unit_slots: dict[str, int]  # every-step slots used per unit
     bound_unit: str  # the unit with the most slots used per slot it has
-    loop_trips: int  # the compiled loop's iterations (grid steps per core + 2 for a pipelined pallas_call)
+    # the compiled loop's iterations (grid steps per core + 2 for a pipelined pallas_call); None: data (a grid
+    # sized at run time)
+    loop_trips: int | None
     tensorcores: int  # the cores the grid's steps are split over
     seconds: float  # estimated time per call
     fraction_of_peak: float  # useful FLOPs / seconds / the peak bf16 FLOP/s of those cores
@@ -109,8 +114,7 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
     out = []
     for kernel in kernels:
         schedule, others = _compile_and_read(kernel, generation, directory)
-        once = schedule.once_per_row_bundles()
-        step = schedule.step_bundles()
+        once, step, regions = _parts(kernel, schedule)
         step_mean, path_bundles = len(step), ()
         if kernel.grid:
             if schedule.inner_loops:  # a grid step's bundles would count an inner loop's body once
@@ -121,7 +125,7 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
             # The compiled loop runs the grid's steps (+ 2 that only move blocks) on each TensorCore it
             # uses: v5p splits the parallel steps over its 2 cores, which share the chip's HBM.
             cores = _cores(kernel, schedule)
-            per_path = _paths(kernel, schedule, step)  # [(steps, the bundles each runs)]
+            per_path = _paths(kernel, schedule, step, regions)  # [(steps, the bundles each runs)]
             counted = max(sum(steps for steps, _ in per_path), 1)
             dma = kernel.dma_bytes_per_step * kernel.visible_steps / counted  # the call's bytes over its steps
             seconds = (sum(steps / cores * max(len(bundles) / chip.clock_hz, dma * cores / chip.hbm_bytes_per_s)
@@ -152,12 +156,23 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
     return out
 
 
-def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int]) -> list[tuple[int, list[int]]]:
-    """(steps, the bundles each runs) of each alternative path of ``kernel``: the every-step work outside the
-    paths plus the path's region; without ``path_steps``, all of it on every visible step."""
+def _parts(kernel: Kernel, schedule: schedule_dump.Schedule) -> tuple[list[int], list[int], list]:
+    """(the bundles run once per row of tiles, those every visible step runs or may run, the alternative paths'
+    regions): as the schedule says, with ``kernel.row_regions`` moved from the paths to once per row."""
+    once, step, regions = schedule.once_per_row_bundles(), schedule.step_bundles(), schedule.path_regions()
+    if not kernel.row_regions:
+        return once, step, regions
+    moved = {i for k in kernel.row_regions for i in range(regions[k].first, regions[k].last + 1)}
+    return (sorted({*once, *moved}), [i for i in step if i not in moved],
+            [region for k, region in enumerate(regions) if k not in kernel.row_regions])
+
+
+def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int],
+           regions: list) -> list[tuple[int, list[int]]]:
+    """(steps, the bundles each runs) of each alternative path of ``kernel`` (its ``regions``): the every-step
+    work outside the paths plus the path's region; without ``path_steps``, all of it on every visible step."""
     if not kernel.path_steps:
         return [(kernel.visible_steps, step)]
-    regions = schedule.path_regions()
     if len(regions) != len(kernel.path_steps):
         raise ValueError(f"kernel {kernel.name}: path_steps gives {len(kernel.path_steps)} alternative paths, its "
                          f"schedule has {len(regions)} ({schedule.path})")
@@ -239,6 +254,11 @@ def _band_pairs(attention) -> int:
 def _cores(kernel: Kernel, schedule: schedule_dump.Schedule) -> int:
     """How many TensorCores share the grid: its steps / the steps the compiled loop runs."""
     steps = math.prod(kernel.grid)
+    if schedule.loop_trips is None:
+        # A grid sized at run time (Tokamax's splash launches only the visible blocks): its steps are the
+        # kernel's stated grid, which the schedule cannot confirm, on one core: right where a device is one
+        # core (v5e, v6e; v4 and v7x, whose cores are devices); v5p's megacore would split it over two.
+        return 1
     per_core = schedule.loop_trips - 2 if schedule.loop_trips > 1 else steps  # no loop: a single step
     if per_core <= 0 or steps % per_core:
         raise ValueError(f"kernel {kernel.name}: its compiled loop runs {schedule.loop_trips} iterations, not "

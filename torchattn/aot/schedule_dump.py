@@ -79,6 +79,9 @@ _EQUALS_CONSTANT = {"": re.compile(r"^scmp\.ne\.s32\.totalorder (%s\d+_s\d+), -?
 _SCALAR = re.compile(r"(%s\d+_s\d+) = ([^;}]*)")
 _SPILL_STORE = re.compile(r"= sst \[smem:\[(#allocation\d+_spill)\]\] (%s\d+_s\d+)")
 _LOOP_EXIT = re.compile(r"^scmp\.ge\.s32\.totalorder %s\w+, (\d+) /\* loop exit test \*/$")
+# A loop whose trip count is data (a Pallas grid sized at run time, as Tokamax's splash sizes its grid by the
+# visible blocks): its closing compare is against a register, with no "loop exit test" note.
+_DYNAMIC_LOOP_EXIT = re.compile(r"^scmp\.ge\.s32\.totalorder %s\w+, %s\w+$")
 # An inner loop's exit compare, the induction variable's step and phi, and the scalar arithmetic its start and
 # bound may be computed with (an operand: a register, a constant or a VMEM address).
 _INDUCTION_EXIT = re.compile(r"^scmp\.(gt|ge)\.s32\.totalorder (%s\d+_s\d+), (%s\d+_s\d+)$")
@@ -136,7 +139,9 @@ class Schedule:
     total_bundles: int
     body_first: int
     body_last: int
-    loop_trips: int  # iterations of the grid loop (grid steps + 2 for a pipelined pallas_call); 1 without a loop
+    # iterations of the grid loop (grid steps + 2 for a pipelined pallas_call); 1 without a loop; None when the
+    # count is data (a grid sized at run time)
+    loop_trips: int | None
     regions: tuple[Region, ...]  # every predicated region in the body, outer before inner
     capacity: dict[str, int]  # slots per bundle of each unit
     usage: tuple[tuple[int, ...], ...]  # per bundle, slots used per unit (in UNITS order)
@@ -284,14 +289,21 @@ def _utilization(path: Path, total: int) -> tuple[_Format, dict[str, int], tuple
     return dump_format, dict(zip(UNITS, picked[0])), tuple(picked[1:])
 
 
-def _back_edge(path: Path, lines: list[str], predicates: dict[str, str], branch: re.Pattern) -> tuple[int, int]:
+def _back_edge(path: Path, lines: list[str], predicates: dict[str, str], branch: re.Pattern) -> tuple[int, int | None]:
     """(index of the branch that closes the loop, the loop's trip count): the one branch taken
-    unless its predicate, the '/* loop exit test */' compare, holds."""
+    unless its predicate, the '/* loop exit test */' compare, holds. Without one, a loop whose trip count is
+    data: the last branch of the program, negated, on a compare of two registers (trip count None)."""
     back = [(i, int(exit_test.group(1))) for i, line in enumerate(lines) for m in branch.finditer(line)
             if m.group(1) == "!" and (exit_test := _LOOP_EXIT.match(predicates.get(m.group(2), "")))]
+    if not back:
+        branches = [(i, m) for i, line in enumerate(lines) for m in branch.finditer(line)]
+        if branches and branches[-1][1].group(1) == "!" and _DYNAMIC_LOOP_EXIT.match(
+                predicates.get(branches[-1][1].group(2), "")):
+            return branches[-1][0], None
     if len(back) != 1:
         raise DumpFormatError(path, f"expected one branch 'sbr.rel (!%p)' on a '/* loop exit test */' compare "
-                                    f"closing the loop, found {len(back)}")
+                                    f"closing the loop (or, for a loop whose trip count is data, the last branch on "
+                                    f"a compare of two registers), found {len(back)}")
     return back[0]
 
 
@@ -446,12 +458,32 @@ def _origin(register: str, scalars: dict[str, str], spills: dict[str, str]) -> s
     return ""
 
 
+def _compared(compare: str) -> tuple[str, str]:
+    """(register, constant) of an equality compare ``scmp.eq/ne.s32.totalorder %sX, C``."""
+    register, constant = compare.rsplit(" ", 2)[-2:]
+    return register.rstrip(","), constant
+
+
+def _runs_unless(lines: list[str], first: int, last: int, back_edges: set[int], dump_format: _Format,
+                 predicates: dict[str, str]):
+    """(register, constant) of each region of bundles [first, last] that runs exactly when x != C: its branch
+    skips it on ``x == C`` (or, negated, unless ``x != C``)."""
+    skips_when = {"": "eq", "!": "ne"}  # the compare under which a region runs when x != C
+    for i in range(first, last + 1):
+        for match in dump_format.branch.finditer(lines[i]):
+            compare = re.match(rf"^scmp\.{skips_when[match.group(1)]}\.s32\.totalorder (%s\d+_s\d+), (-?\d+)$",
+                               predicates.get(match.group(2), ""))
+            if i not in back_edges and compare:
+                yield compare.group(1), compare.group(2)
+
+
 def _regions(path: Path, lines: list[str], first: int, last: int, back_edges: set[int], dump_format: _Format,
              predicates: dict[str, str], origin) -> tuple[Region, ...]:
     """Predicated regions of the body: each forward branch (not one of the loops' ``back_edges``) opens one, the
     next ``PF:`` closes the innermost (and the enclosing ones whose skips land there too)."""
     open_regions: list[tuple[int, bool, str, str]] = []  # (first bundle, once per row, branch target, when)
     regions = []
+    runs_unless = set(_runs_unless(lines, first, last, back_edges, dump_format, predicates))
     for i in range(first, last + 1):
         marker = _BUNDLE.match(lines[i]).group(2)
         if marker == "PF":
@@ -473,6 +505,9 @@ def _regions(path: Path, lines: list[str], first: int, last: int, back_edges: se
                 compare = _EQUALS_CONSTANT[negated].match(predicates.get(predicate, ""))
                 # A flag (scalar_select of a predicate, 1 or 0; v6e gates the pipeline's steps so) is no grid index.
                 once = bool(compare) and not origin(compare.group(1)).startswith("scalar_select ")
+                # A region beside one that runs exactly when it does not (x == C and x != C: a full and a masked
+                # block's work, as Tokamax's splash chooses them) is one of two paths each step picks from.
+                once = once and _compared(compare.group(0)) not in runs_unless
                 # The branch skips the region when its predicate (negated: its negation) holds.
                 open_regions.append((i + 1, once, match.group(3), predicate if negated else "!" + predicate))
     if open_regions:

@@ -216,15 +216,7 @@ def _make_splash(attention: Attention, shape: _Shape, fused_backward: bool) -> _
     sizes = splash.BlockSizes(block_q=b.block_q, block_kv=b.block_kv, block_kv_compute=b.block_kv,
                               block_q_dkv=b.block_q_bwd, block_kv_dkv=b.block_kv_bwd,
                               block_kv_dkv_compute=b.block_kv_bwd, use_fused_bwd_kernel=fused_backward, **dq_blocks)
-    lengths = (attention.q_len, attention.kv_len)
-    left, right = masks.diagonal_bounds(attention.causal, attention.window)
-    offset = attention.kv_len - attention.q_len  # torchattn's bands are aligned to the bottom-right corner
-    if left is None and right is None:
-        head_mask = mask_lib.FullMask(lengths)
-    elif left is None and right == 0:
-        head_mask = mask_lib.CausalMask(lengths, offset=offset)
-    else:
-        head_mask = mask_lib.LocalMask(lengths, window_size=(left, right), offset=offset)
+    head_mask = band_mask(attention, mask_lib)
     factory = splash.make_splash_mqa if _is_mqa(attention) else splash.make_splash_mha
     kernel = factory(mask_lib.MultiHeadMask([head_mask] * attention.q_heads), block_sizes=sizes,
                      save_residuals=True, attn_logits_soft_cap=attention.softcap, head_shards=1, q_seq_shards=1)
@@ -232,7 +224,21 @@ def _make_splash(attention: Attention, shape: _Shape, fused_backward: bool) -> _
                    None if fused_backward else _Info.of(kernel.dq_mask_info), _Info.of(kernel.dkv_mask_info))
 
 
-def _splash_structs(attention: Attention, shape: _Shape) -> list:
+def band_mask(attention: Attention, mask_lib):
+    """``attention``'s causal/window band as a splash mask of ``mask_lib`` (JAX's splash_attention_mask or
+    Tokamax's, which name the same classes): full, causal or local, aligned to the bottom-right corner as
+    torchattn's bands are."""
+    lengths = (attention.q_len, attention.kv_len)
+    left, right = masks.diagonal_bounds(attention.causal, attention.window)
+    offset = attention.kv_len - attention.q_len
+    if left is None and right is None:
+        return mask_lib.FullMask(lengths)
+    if left is None and right == 0:
+        return mask_lib.CausalMask(lengths, offset=offset)
+    return mask_lib.LocalMask(lengths, window_size=(left, right), offset=offset)
+
+
+def splash_structs(attention: Attention, shape: _Shape) -> list:
     """q, k, v (k and v without a head axis for MQA) and the segment ids, per batch element vmapped."""
     kv = (shape.batch, shape.kv_len, shape.head_dim) if _is_mqa(attention) else (
         shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim)
@@ -272,7 +278,7 @@ def _splash_forward(attention: Attention, shape: _Shape, splash: _Splash) -> Ker
               # outputs: the m, l and o accumulators (outputs, not scratch, in splash), out, lse
               (2 * shape.block(b.block_q, LANES, _F32) + shape.block(b.block_q, d, _F32), lambda n, h, i, j: (n,)),
               (shape.block(b.block_q, d) + shape.block(b.block_q, LANES, _F32), lambda n, h, i, j: (n, h, i))]
-    return _kernel("forward", jax.vmap(forward), _splash_structs(attention, shape), grid, info.visible_steps(shape),
+    return _kernel("forward", jax.vmap(forward), splash_structs(attention, shape), grid, info.visible_steps(shape),
                    shape.batch * shape.heads * grid[2], blocks, shape.flops(attention, 2))
 
 
@@ -324,7 +330,7 @@ def _splash_dq(attention: Attention, shape: _Shape, splash: _Splash) -> Kernel:
               (2 * b.block_q_bwd * _F32 + shape.block(b.block_q_bwd, d), per_q_block),  # lse, di (1, bq); do
               (shape.block(b.block_q_bwd, d, _F32), lambda n, h, i, j: (n,)),  # the dq accumulator, an output
               (shape.block(b.block_q_bwd, d), per_q_block)]  # dq
-    structs = _splash_structs(attention, shape) + _splash_residual_structs(shape)
+    structs = splash_structs(attention, shape) + _splash_residual_structs(shape)
     return _kernel("backward_dq", jax.vmap(dq), structs, grid, info.visible_steps(shape),
                    shape.batch * shape.heads * grid[2], blocks, shape.flops(attention, 3))
 
@@ -363,7 +369,7 @@ def _splash_backward_dkv(attention: Attention, shape: _Shape, splash: _Splash, f
         blocks.append((shape.block(b.block_q_bwd, d), lambda n, kv, h, i: (n, kv, h, i)))  # the dq partials
     # The accumulators start when a kv block meets its kv head's first query head: once per kv block and kv head.
     rows = shape.batch * grid[1] * shape.kv_heads
-    structs = _splash_structs(attention, shape) + _splash_residual_structs(shape)
+    structs = splash_structs(attention, shape) + _splash_residual_structs(shape)
     return _kernel("backward_fused" if fused else "backward_dkv", jax.vmap(dkv), structs, grid,
                    info.visible_steps(shape), rows, blocks, shape.flops(attention, 5 if fused else 4))
 

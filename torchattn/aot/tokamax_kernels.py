@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import generations, masks
+from .. import generations
 from ..block_sizes import BlockSizes
 from ..tiling import LANES, SUBLANES
 from .attention import Attention
-from .jax_kernels import _F32, _divisible, _kernel, _refuse, _Shape
+from .jax_kernels import _F32, _divisible, _is_mqa, _kernel, _refuse, _Shape, band_mask, splash_structs
 from .schedule import Kernel
 
 TOKAMAX = "tokamax_splash"
@@ -47,9 +47,10 @@ def forward_kernel(attention: Attention, generation: str, blocks: BlockSizes, *,
     config = splash.SplashConfig(block_q=b.block_q, block_kv=b.block_kv, block_kv_compute=compute,
                                  attn_logits_soft_cap=attention.softcap,
                                  use_experimental_scheduler=experimental_scheduler)
-    kernel = splash.make_splash_mqa_single_device(_mask(attention), config=config, save_residuals=residuals) \
-        if attention.kv_heads == 1 < attention.q_heads else \
-        splash.make_splash_mha_single_device(_mask(attention), config=config, save_residuals=residuals)
+    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask as mask_lib
+
+    factory = splash.make_splash_mqa_single_device if _is_mqa(attention) else splash.make_splash_mha_single_device
+    kernel = factory(band_mask(attention, mask_lib), config=config, save_residuals=residuals)
     info = kernel.fwd_mask_info
     if info.active_rows is None:
         raise ValueError(f"{TOKAMAX}: a mask without a visible-block list (its grid would be every block); "
@@ -75,33 +76,9 @@ def forward_kernel(attention: Attention, generation: str, blocks: BlockSizes, *,
     if attention.segments:
         moved += [(b.block_q * LANES * _F32, lambda n, h, g: (n, rows_of[g])),
                   (SUBLANES * b.block_kv * _F32, lambda n, h, g: (n, cols_of[g]))]
-    structs = _structs(attention, shape)
+    structs = splash_structs(attention, shape)
     built = _kernel("forward", jax.vmap(call), structs, grid, per_slice * count,
                     per_slice * len(np.unique(rows_of)), moved, shape.flops(attention, 2))
     steps = (per_slice * int((kinds == FULL).sum()), per_slice * int((kinds == PARTIAL).sum()))
     # The regions in program order: init, the full path, the partial path, the write.
     return Kernel(**{**built.__dict__, "path_steps": steps, "row_regions": (0, 3)})
-
-
-def _mask(attention: Attention):
-    from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_mask as mask_lib
-
-    lengths = (attention.q_len, attention.kv_len)
-    left, right = masks.diagonal_bounds(attention.causal, attention.window)
-    offset = attention.kv_len - attention.q_len  # torchattn's bands are aligned to the bottom-right corner
-    if left is None and right is None:
-        return mask_lib.FullMask(lengths)
-    if left is None and right == 0:
-        return mask_lib.CausalMask(lengths, offset=offset)
-    return mask_lib.LocalMask(lengths, window_size=(left, right), offset=offset)
-
-
-def _structs(attention: Attention, shape: _Shape) -> list:
-    kv = (shape.batch, shape.kv_len, shape.head_dim) if attention.kv_heads == 1 < attention.q_heads else (
-        shape.batch, shape.kv_heads, shape.kv_len, shape.head_dim)
-    structs = [shape.struct(shape.batch, shape.heads, shape.q_len, shape.head_dim), shape.struct(*kv),
-               shape.struct(*kv)]
-    if attention.segments:
-        structs += [shape.struct(shape.batch, shape.q_len, dtype="int32"),
-                    shape.struct(shape.batch, shape.kv_len, dtype="int32")]
-    return structs

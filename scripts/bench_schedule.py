@@ -1,8 +1,10 @@
-"""torchattn's kernels against JAX's own TPU attention kernels, by the compiler's schedule: CSV and PNG per generation.
+"""torchattn's kernels against the TPU attention kernels of JAX, Tokamax and TorchTPU, by the compiler's
+schedule: CSV and PNG per generation.
 
     .venv/bin/python scripts/bench_schedule.py --jobs 2               # the grid below: docs/bench/schedule-<gen>.*
     .venv/bin/python scripts/bench_schedule.py --generation v5e --quick --out-dir /tmp/schedule
     .venv/bin/python scripts/bench_schedule.py --generation v5e --blocks 512 --quick
+    .venv-current/bin/python scripts/bench_schedule.py --generation v6e v7x --jobs 2   # with Tokamax; v7x
 
 Each configuration's kernels are compiled for the generation with libtpu's compile-only client and
 read by ``torchattn.aot.schedule.measure``: estimated seconds per call from the VLIW schedule (an
@@ -10,9 +12,14 @@ estimate from the compiler's static schedule, never a TPU timing). Implementatio
 shapes and the same blocks: torchattn (forward, and the backward a call gets: the fused kernel plus the
 XLA sum of its dq partials, or dq and dk/dv; torchattn.kernels.backward.fused), splash attention with its split
 backward (dq, dk/dv) and with its fused backward (plus the XLA sum of its dq partials), and JAX's
-older flash_attention where it has the features (MHA only, no window or softcap). Batch 1, bfloat16.
+older flash_attention where it has the features (MHA only, no window or softcap); where tokamax is installed
+(.venv-current), Tokamax's splash (its forward and its fused backward with ``dq_reduction_steps=3``, the
+mode whose grid is the visible blocks, plus the XLA sum of its three dq partials; torchattn/aot/
+tokamax_kernels.py); and TorchTPU's ``torch.tpu.ops.splash_sdpa`` ("splash-sdpa"), which runs JAX's splash
+with its fused backward at its own default blocks, 512 everywhere (clamped to the length), and has no
+segment ids or softcap. Batch 1, bfloat16. The estimates carry the method's error bar (docs/performance.md).
 
-Grid: v5e and v6e: head_dim 64, 128, 256; causal and not; with and without packed segment ids;
+Grid: v5e, v6e and v7x: head_dim 64, 128, 256; causal and not; with and without packed segment ids;
 2048, 8192 and 32768 tokens; 32 query heads over 8 kv heads, and MHA (32 and 32). v4 and v5p:
 head_dim 128, 8192 tokens, 32/8 heads, causal and not. ``--quick``: 2048 tokens, head_dim 128, MHA
 not causal and GQA causal with segment ids. Blocks: each generation's defaults
@@ -21,8 +28,8 @@ not causal and GQA causal with segment ids. Blocks: each generation's defaults
 A CSV row is one (configuration, implementation): status ("ok", "unsupported: ...", "failed:
 ..."), estimated seconds of forward, backward and both, per kernel its seconds and bundles per
 grid step, the bundles of the small XLA ops (broadcasts of segment ids, slices) the kernels'
-compiles also wrote (not in the seconds), and on torchattn's rows the ratio torchattn / best JAX
-kernel (forward, backward, fwd+bwd: the fastest JAX implementation of each). The PNG plots the
+compiles also wrote (not in the seconds), and on torchattn's rows the ratio torchattn / best other
+kernel (forward, backward, fwd+bwd: the fastest other implementation of each). The PNG plots the
 estimated times and the three ratios per configuration.
 """
 
@@ -32,6 +39,7 @@ import argparse
 import concurrent.futures
 import csv
 import dataclasses
+import importlib.metadata
 import io
 import itertools
 import multiprocessing
@@ -40,10 +48,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused", "flash")
+IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused", "flash", "tokamax", "splash-sdpa")
 BACKWARD_KERNELS = ("backward_dq", "backward_dkv", "backward_fused", "dq_reduction")
-FULL_GRID = ("v5e", "v6e")
-GENERATION_NAMES = ("v5e", "v6e", "v4", "v5p")
+FULL_GRID = ("v5e", "v6e", "v7x")
+GENERATION_NAMES = ("v5e", "v6e", "v4", "v5p", "v7x")
+SPLASH_SDPA_BLOCKS = 512  # torch.tpu.ops.splash_sdpa's defaults for every block
 FIELDS = ("generation", "q_heads", "kv_heads", "seq_len", "head_dim", "causal", "segments", "block_q", "block_kv",
           "block_q_bwd", "block_kv_bwd", "implementation", "status", "forward_s", "backward_s", "fwd_bwd_s",
           "forward_fraction_of_peak", "forward_bound_unit", "forward_step_bundles",
@@ -89,11 +98,38 @@ def builders(attention, generation: str, blocks) -> dict:
     return {"torchattn": lambda: schedule.torchattn_kernels(attention, generation, blocks),
             "splash": lambda: jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=False),
             "splash-fused": lambda: jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
-            "flash": lambda: jax_kernels.flash_kernels(attention, generation, blocks)}
+            "flash": lambda: jax_kernels.flash_kernels(attention, generation, blocks),
+            "tokamax": lambda: _tokamax_kernels(attention, generation, blocks),
+            "splash-sdpa": lambda: _splash_sdpa_kernels(attention, generation)}
 
 
-def measure_config(config: Config, blocks_flag) -> list[dict]:
-    """One row per implementation for ``config``."""
+def _tokamax_kernels(attention, generation: str, blocks) -> list:
+    import importlib.util
+
+    if importlib.util.find_spec("tokamax") is None:
+        raise ValueError("tokamax is not installed here (it is in .venv-current, TorchTPU's stack)")
+    from torchattn.aot import tokamax_kernels
+
+    return [tokamax_kernels.forward_kernel(attention, generation, blocks),
+            *tokamax_kernels.backward_kernels(attention, generation, blocks)]
+
+
+def _splash_sdpa_kernels(attention, generation: str) -> list:
+    """splash_sdpa's kernels: JAX's splash, fused backward, at splash_sdpa's blocks (it takes no segment ids
+    nor a softcap, and its window is causal: (w, 0))."""
+    from torchattn.aot import jax_kernels
+    from torchattn.block_sizes import BlockSizes
+
+    if attention.segments or attention.softcap is not None:
+        raise ValueError("splash_sdpa takes no segment ids or softcap")
+    if attention.window is not None and attention.window[1] != 0:
+        raise ValueError(f"splash_sdpa's window is (w, 0), got {attention.window}")
+    return jax_kernels.splash_kernels(attention, generation, BlockSizes(*[SPLASH_SDPA_BLOCKS] * 4),
+                                      fused_backward=True)
+
+
+def measure_config(config: Config, blocks_flag, implementations=IMPLEMENTATIONS) -> list[dict]:
+    """One row per implementation (of ``implementations``, which start with torchattn) for ``config``."""
     from torchattn.aot import Attention, schedule
 
     attention = Attention(batch=1, q_heads=config.q_heads, kv_heads=config.kv_heads, q_len=config.seq_len,
@@ -103,6 +139,8 @@ def measure_config(config: Config, blocks_flag) -> list[dict]:
     base = {**dataclasses.asdict(config), **dataclasses.asdict(blocks.clamped(config.seq_len, config.seq_len))}
     rows = []
     for implementation, build in builders(attention, config.generation, blocks).items():
+        if implementation not in implementations:
+            continue
         row = {**base, "implementation": implementation}
         try:
             kernels = build()
@@ -130,7 +168,7 @@ def _times(estimates) -> dict:
 
 
 def _with_ratios(rows: list[dict]) -> list[dict]:
-    """torchattn's row gets torchattn / the fastest JAX implementation, per part."""
+    """torchattn's row gets torchattn / the fastest other implementation, per part."""
     ours = next(row for row in rows if row["implementation"] == "torchattn")
     theirs = [row for row in rows if row["implementation"] != "torchattn" and row["status"] == "ok"]
     if ours["status"] == "ok" and theirs:
@@ -163,7 +201,8 @@ def _cell(value):
 
 
 def plot(rows: list[dict], generation: str):
-    """Estimated time per implementation (forward, backward, fwd+bwd) and torchattn / best JAX, per configuration."""
+    """Estimated time per implementation (forward, backward, fwd+bwd) and torchattn / the best other, per
+    configuration."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,16 +219,17 @@ def plot(rows: list[dict], generation: str):
                     linestyle="none", label=implementation)
         ax.set_yscale("log")
         ax.set_ylabel(f"{part.replace('_', '+')} ms (estimate)")
-        ax.legend(fontsize=7, ncol=4)
+        ax.legend(fontsize=7, ncol=6)
     ours = {_label(row): row for row in rows if row["implementation"] == "torchattn"}
     for part in ("forward", "backward", "fwd_bwd"):
         axes[3].plot(x, [ours[label].get(f"ratio_{part}", float("nan")) if label in ours else float("nan")
                          for label in labels], marker="o", markersize=3, label=part.replace("_", "+"))
     axes[3].axhline(1.0, color="gray", linewidth=0.8)
-    axes[3].set_ylabel("torchattn / best JAX")
+    axes[3].set_ylabel("torchattn / best other")
     axes[3].legend(fontsize=7)
     axes[3].set_xticks(list(x), labels, rotation=90, fontsize=6)
-    axes[0].set_title(f"{generation}: estimated time from libtpu 0.0.21's schedule (batch 1, bfloat16; not a timing)")
+    libtpu = importlib.metadata.version("libtpu")
+    axes[0].set_title(f"{generation}: estimated time from libtpu {libtpu}'s schedule (batch 1, bfloat16; not a timing)")
     figure.tight_layout()
     return figure
 
@@ -218,16 +258,25 @@ def _blocks(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _compiles(generations, name: str) -> bool:
+    try:
+        generations.compile_target(name)
+    except ValueError:
+        return False
+    return True
+
+
 def measured_configs(configs: list[Config], args):
     """measure_config of each configuration, in order; with ``--jobs`` N > 1 in N processes of their own."""
     from torchattn.aot import schedule
 
     if args.jobs == 1:
         schedule.enable_dump()  # before anything loads libtpu: it reads the flag once
-        return (measure_config(config, args.blocks) for config in configs)
+        return (measure_config(config, args.blocks, args.implementations) for config in configs)
     pool = concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                                                   initializer=_worker, initargs=(ROOT,))
-    return _closing(pool, pool.map(measure_config, configs, itertools.repeat(args.blocks)))
+    return _closing(pool, pool.map(measure_config, configs, itertools.repeat(args.blocks),
+                                   itertools.repeat(args.implementations)))
 
 
 def _closing(pool, results):
@@ -245,8 +294,9 @@ def _worker(root: str) -> None:
 def main(argv=None) -> int:
     sys.path.insert(0, ROOT)  # this checkout's torchattn, not an installed one
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--generation", nargs="+", choices=GENERATION_NAMES, default=list(GENERATION_NAMES),
-                        help="generations to compile for (default: all four; v4 and v5p have a few rows)")
+    parser.add_argument("--generation", nargs="+", choices=GENERATION_NAMES,
+                        help="generations to compile for (default: all that this environment's libtpu compiles "
+                             "for; v4 and v5p have a few rows)")
     parser.add_argument("--quick", action="store_true", help="two configurations per generation")
     parser.add_argument("--blocks", type=_blocks, help="the same blocks for every configuration (default: each "
                                                        "generation's defaults)")
@@ -254,13 +304,35 @@ def main(argv=None) -> int:
                         help="only these head dims of the v5e/v6e grid")
     parser.add_argument("--seq-len", type=int, nargs="+", choices=SEQ_LENS, default=SEQ_LENS,
                         help="only these lengths of the v5e/v6e grid")
+    parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS[1:], default=IMPLEMENTATIONS[1:],
+                        help="the kernels set beside torchattn's (default: all)")
+    parser.add_argument("--segments", choices=("both", "no"), default="both",
+                        help="the v5e/v6e/v7x grid with and without packed segment ids, or only without")
     parser.add_argument("--jobs", type=_positive, default=1,
                         help="configurations compiled at once, each in a process of its own (default 1)")
-    parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
+    parser.add_argument("--out-dir", help="where the CSV and PNG go (default: docs/bench on torch_xla's stack, "
+                                          "docs/bench/current on TorchTPU's)")
     args = parser.parse_args(argv)
+    args.implementations = ("torchattn", *args.implementations)
+    from torchattn import generations
+
+    if args.out_dir is None:
+        from torchattn import _versions
+
+        current = _versions.installed_stack() == "current"
+        args.out_dir = os.path.join(ROOT, "docs", "bench", *(("current",) if current else ()))
+    if args.generation is None:
+        args.generation = [name for name in GENERATION_NAMES if _compiles(generations, name)]
+    for generation in args.generation:
+        try:
+            generations.compile_target(generation)
+        except ValueError as error:
+            parser.error(str(error))
 
     for generation in args.generation:
         configs, rows = grid(generation, args.quick, args.head_dim, args.seq_len), []
+        if args.segments == "no":
+            configs = [config for config in configs if not config.segments]
         start = time.perf_counter()
         for number, (config, measured) in enumerate(zip(configs, measured_configs(configs, args)), 1):
             rows += measured

@@ -1,6 +1,6 @@
 """The suite's own settings and closing report, the same with one process or with pytest-xdist's workers:
 
-- the 15 slowest tests (setup, call and teardown together: a module fixture's work counts in the
+- the 15 slowest tests and modules (setup, call and teardown together: a module fixture's work counts in the
   setup of the first test that asks for it) and every test over ``LIMIT_S`` seconds, except those
   setup.cfg's ``long_tests`` lists with a reason, so the suite's growth shows in every CI log;
 - the largest errors against the float64 reference (tests/numerics.py) and the largest differences of
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import json
+import os
 import sys
 
 LIMIT_S = 120.0
@@ -77,6 +78,11 @@ class SuiteReport:
         terminalreporter.section(f"{SLOWEST} slowest tests (setup + call + teardown)")
         for nodeid, seconds in self.seconds.most_common(SLOWEST):
             terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
+        modules = collections.Counter()
+        for nodeid, seconds in self.seconds.items():
+            modules[nodeid.split("::", 1)[0]] += seconds
+        terminalreporter.write_line("slowest modules (setup.cfg's first_modules): " + ", ".join(
+            f"{os.path.basename(module)} {seconds:.0f} s" for module, seconds in modules.most_common(SLOWEST)))
         over = [(nodeid, seconds) for nodeid, seconds in self.seconds.most_common() if seconds > LIMIT_S]
         terminalreporter.write_line(f"total {sum(self.seconds.values()):.0f} s of test time in "
                                     f"{len(self.seconds)} tests")

@@ -60,7 +60,7 @@ def splash_kernels(attention: Attention, generation: str, blocks: BlockSizes, *,
         raise ValueError(f"{SPLASH}: query rows that see no key (causal or window with q_len {attention.q_len} "
                          f"and kv_len {attention.kv_len}): its softmax is undefined there")
     splash = _make_splash(attention, shape, fused_backward)
-    backward = ([_splash_backward_dkv(attention, shape, splash, True), _splash_dq_reduction(shape)] if fused_backward
+    backward = ([_splash_backward_dkv(attention, shape, splash, True), dq_reduction(shape)] if fused_backward
                 else [_splash_dq(attention, shape, splash), _splash_backward_dkv(attention, shape, splash, False)])
     return [_splash_forward(attention, shape, splash), *backward]
 
@@ -298,7 +298,7 @@ def _splash_kv_segments(attention, rows, cols, index_map):
     return [(rows * cols * _F32, index_map)] if attention.segments else []
 
 
-def _splash_residual_structs(shape: _Shape) -> list:
+def splash_residual_structs(shape: _Shape) -> list:
     """lse, do, di as splash's backward takes them (lse and di float32 per query row)."""
     rows = shape.struct(shape.batch, shape.heads, shape.q_len, dtype="float32")
     return [rows, shape.struct(shape.batch, shape.heads, shape.q_len, shape.head_dim), rows]
@@ -330,14 +330,14 @@ def _splash_dq(attention: Attention, shape: _Shape, splash: _Splash) -> Kernel:
               (2 * b.block_q_bwd * _F32 + shape.block(b.block_q_bwd, d), per_q_block),  # lse, di (1, bq); do
               (shape.block(b.block_q_bwd, d, _F32), lambda n, h, i, j: (n,)),  # the dq accumulator, an output
               (shape.block(b.block_q_bwd, d), per_q_block)]  # dq
-    structs = splash_structs(attention, shape) + _splash_residual_structs(shape)
+    structs = splash_structs(attention, shape) + splash_residual_structs(shape)
     return _kernel("backward_dq", jax.vmap(dq), structs, grid, info.visible_steps(shape),
                    shape.batch * shape.heads * grid[2], blocks, shape.flops(attention, 3))
 
 
 def _splash_backward_dkv(attention: Attention, shape: _Shape, splash: _Splash, fused: bool) -> Kernel:
     """The dk/dv kernel, grid (batch, kv blocks, heads, q blocks); ``fused``: it also writes each step's dq
-    partial (the kernel returns them summed over kv blocks; that sum is :func:`_splash_dq_reduction`)."""
+    partial (the kernel returns them summed over kv blocks; that sum is :func:`dq_reduction`)."""
     import jax
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_lib
 
@@ -369,19 +369,19 @@ def _splash_backward_dkv(attention: Attention, shape: _Shape, splash: _Splash, f
         blocks.append((shape.block(b.block_q_bwd, d), lambda n, kv, h, i: (n, kv, h, i)))  # the dq partials
     # The accumulators start when a kv block meets its kv head's first query head: once per kv block and kv head.
     rows = shape.batch * grid[1] * shape.kv_heads
-    structs = splash_structs(attention, shape) + _splash_residual_structs(shape)
+    structs = splash_structs(attention, shape) + splash_residual_structs(shape)
     return _kernel("backward_fused" if fused else "backward_dkv", jax.vmap(dkv), structs, grid,
                    info.visible_steps(shape), rows, blocks, shape.flops(attention, 5 if fused else 4))
 
 
-def _splash_dq_reduction(shape: _Shape) -> Kernel:
-    """The XLA sum of the fused backward's dq partials, (kv blocks, heads, q_len, head_dim) per batch element,
-    in q's dtype as splash sums them."""
-    kv_blocks = shape.kv_len // shape.blocks.block_kv_bwd
-    partials = shape.struct(shape.batch, kv_blocks, shape.heads, shape.q_len, shape.head_dim)
+def dq_reduction(shape: _Shape, partials: int | None = None) -> Kernel:
+    """The XLA sum of a fused backward's dq partials, (partials, heads, q_len, head_dim) per batch element, in
+    q's dtype as splash sums them: one per kv block unless ``partials`` (Tokamax's three)."""
+    partials = partials or shape.kv_len // shape.blocks.block_kv_bwd
+    struct = shape.struct(shape.batch, partials, shape.heads, shape.q_len, shape.head_dim)
     dq_bytes = shape.batch * shape.heads * shape.q_len * shape.head_dim * shape.itemsize
-    return Kernel(name="dq_reduction", fn=_sum_kv_blocks, structs=(partials,), grid=(),
-                  visible_steps=1, rows=1, dma_bytes_per_step=(kv_blocks + 1) * dq_bytes, useful_flops=0.0)
+    return Kernel(name="dq_reduction", fn=_sum_kv_blocks, structs=(struct,), grid=(),
+                  visible_steps=1, rows=1, dma_bytes_per_step=(partials + 1) * dq_bytes, useful_flops=0.0)
 
 
 def _sum_kv_blocks(partials):

@@ -159,12 +159,27 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
 def _parts(kernel: Kernel, schedule: schedule_dump.Schedule) -> tuple[list[int], list[int], list]:
     """(the bundles run once per row of tiles, those every visible step runs or may run, the alternative paths'
     regions): as the schedule says, with ``kernel.row_regions`` moved from the paths to once per row."""
-    once, step, regions = schedule.once_per_row_bundles(), schedule.step_bundles(), schedule.path_regions()
+    once, step, regions = schedule.once_per_row_bundles(), schedule.step_bundles(), _declared_regions(kernel, schedule)
     if not kernel.row_regions:
         return once, step, regions
+    if max(kernel.row_regions) >= len(regions):
+        raise ValueError(f"kernel {kernel.name}: row_regions {kernel.row_regions} name regions its schedule does not "
+                         f"have ({len(regions)}: {schedule.path})")
     moved = {i for k in kernel.row_regions for i in range(regions[k].first, regions[k].last + 1)}
     return (sorted({*once, *moved}), [i for i in step if i not in moved],
             [region for k, region in enumerate(regions) if k not in kernel.row_regions])
+
+
+def _declared_regions(kernel: Kernel, schedule: schedule_dump.Schedule) -> list:
+    """The schedule's path regions, or, where the kernel declares more paths and row regions than they are and
+    one of them holds regions of its own, that one's: a guard around the paths with every-step work beside it
+    (Tokamax's fused backward at some blocks), which stays every-step work."""
+    regions = schedule.path_regions()
+    declared = len(kernel.path_steps) + len(kernel.row_regions)
+    parents = [region for region in regions if schedule.children(region)]
+    if kernel.path_steps and len(regions) < declared and len(parents) == 1:
+        return schedule.children(parents[0])
+    return regions
 
 
 def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int],

@@ -168,12 +168,12 @@ class Schedule:
         """The alternative paths of the every-step work, in program order (e.g. a tile's mask-free and masked
         work, each run on some of the steps): the outermost regions that are not once per row, looking inside
         a region that is alone at its level (a guard every step takes, such as the pipeline's)."""
-        level = self._children(None)
-        while len(level) == 1 and self._children(level[0]):
-            level = self._children(level[0])
+        level = self.children(None)
+        while len(level) == 1 and self.children(level[0]):
+            level = self.children(level[0])
         return level
 
-    def _children(self, parent: Region | None) -> list[Region]:
+    def children(self, parent: Region | None) -> list[Region]:
         """The regions directly inside ``parent`` (None: the body) that are not once per row."""
         inside = [r for r in self.regions if parent is None
                   or (r != parent and parent.first <= r.first and r.last <= parent.last)]
@@ -241,7 +241,10 @@ def _installed_libtpu() -> str:
 
 
 def _total_bundles(path: Path) -> int:
-    found = re.findall(r"^\s*total scheduled bundles:\s*(\d+)\s*$", path.read_text(), re.MULTILINE)
+    text = path.read_text()
+    if not text.strip():  # a program with nothing to schedule (lax.empty's) writes an empty analysis
+        return 0
+    found = re.findall(r"^\s*total scheduled bundles:\s*(\d+)\s*$", text, re.MULTILINE)
     if len(found) != 1:
         raise DumpFormatError(path, "expected one line 'total scheduled bundles: N'")
     return int(found[0])

@@ -42,6 +42,7 @@ import dataclasses
 import importlib.metadata
 import io
 import itertools
+import math
 import multiprocessing
 import os
 import sys
@@ -175,6 +176,20 @@ def _with_ratios(rows: list[dict]) -> list[dict]:
         for part in ("forward", "backward", "fwd_bwd"):
             ours[f"ratio_{part}"] = ours[f"{part}_s"] / min(row[f"{part}_s"] for row in theirs)
     return rows
+
+
+def summary_line(rows: list[dict], generation: str) -> str:
+    """torchattn / the best other kernel per part, as geometric means over the configurations both ran, and how
+    many rows are above 1."""
+    ours = [row for row in rows if row["implementation"] == "torchattn" and "ratio_fwd_bwd" in row]
+    if not ours:
+        return f"{generation}: no configuration with torchattn and another kernel"
+    parts = []
+    for part in ("forward", "backward", "fwd_bwd"):
+        ratios = [row[f"ratio_{part}"] for row in ours]
+        mean = math.exp(sum(math.log(ratio) for ratio in ratios) / len(ratios))
+        parts.append(f"{part.replace('_', '+')} {mean:.3f} ({sum(ratio > 1 for ratio in ratios)} above 1)")
+    return f"{generation}: torchattn / best other, geometric mean over {len(ours)} configurations: " + ", ".join(parts)
 
 
 def _first_line(error: Exception) -> str:
@@ -342,6 +357,7 @@ def main(argv=None) -> int:
             print(f"[{generation} {number}/{len(configs)}] {config.label()}: {summary} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
             start = time.perf_counter()
+        print(summary_line(rows, generation), flush=True)
         print("wrote", *write(rows, generation, args.out_dir), flush=True)
     return 0
 

@@ -7,8 +7,16 @@
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stacks=${TEST_STACKS:-xla current}
-for stack in $stacks; do
-    bash scripts/env.sh "$stack" || exit 1
+# The first stack's environment now; the others' are built (when missing or stale) while its suite runs: a
+# fresh install is mostly downloads and disk, a few minutes each, and that way CI does not wait for both.
+first=${stacks%% *}
+bash scripts/env.sh "$first" || exit 1
+declare -A building
+trap 'kill $(jobs -p) 2>/dev/null' EXIT  # a build still running when this ends (its stamp stays unwritten)
+for stack in ${stacks#"$first"}; do
+    log=$(mktemp)
+    bash scripts/env.sh "$stack" > "$log" 2>&1 &
+    building[$stack]="$! $log"
 done
 # XLA on the CPU unless told otherwise (PJRT_DEVICE=TPU on a TPU VM runs the tpu-marked tests).
 export PJRT_DEVICE=${PJRT_DEVICE:-CPU}
@@ -26,6 +34,12 @@ export XLA_COMPILATION_CACHE_SIZE=${XLA_COMPILATION_CACHE_SIZE:-8}
 # (pytest-dev/pytest-xdist#784: the last CI hung that way until its 90-minute limit).
 status=0
 for stack in $stacks; do
+    if [[ -n ${building[$stack]:-} ]]; then
+        read -r pid log <<< "${building[$stack]}"
+        wait "$pid"; built=$?
+        cat "$log"; rm -f "$log"
+        (( built == 0 )) || exit 1
+    fi
     venv=.venv
     [[ $stack == current ]] && venv=.venv-current
     echo "test.sh: the suite in $venv ($stack stack)"

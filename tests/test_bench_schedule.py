@@ -32,6 +32,7 @@ def test_quick_grid_runs_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PJRT_DEVICE": "CPU"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.index("[v5e 1/2]") < done.stdout.index("[v5e 2/2]")  # progress, one line per configuration
+    assert "v5e: torchattn / best other, geometric mean over 2 configurations: forward " in done.stdout
     with open(tmp_path / "schedule-v5e.csv") as f:
         rows = list(csv.DictReader(f))
     assert [(row["causal"], row["implementation"]) for row in rows] == [

@@ -363,13 +363,17 @@ def test_loops_inside_the_loop_count_the_trips_their_exit_compare_gives(tmp_path
 def test_measure_counts_an_xla_ops_inner_loops_and_refuses_them_in_a_grid_step(tmp_path, monkeypatch):
     read = schedule_dump.read(write_nested(tmp_path), "42")
     monkeypatch.setenv("LIBTPU_INIT_ARGS", f"--xla_jf_dump_to={tmp_path}")
-    monkeypatch.setattr(schedule, "_compile_and_read", lambda kernel, generation, directory: (read, {}))
+    monkeypatch.setattr(schedule, "_compile_and_read", lambda kernel, generation, directory: ([read], {}))
     reduction = schedule.Kernel("dq_reduction", None, (), grid=(), visible_steps=1, rows=1, dma_bytes_per_step=0,
                                 useful_flops=0.0)
     [estimate] = schedule.measure([reduction], "v7x")
     assert estimate.seconds * generations.get("v7x").clock_hz == pytest.approx(NESTED_ISSUED)
     with pytest.raises(ValueError, match="a loop inside the grid loop .bundle 0x8.; a kernel with a loop inside"):
         schedule.measure([dataclasses.replace(reduction, grid=(260,))], "v7x")
+    # libtpu compiles some reductions to two programs (v7x's sum of a 32k call's dq partials): both run.
+    monkeypatch.setattr(schedule, "_compile_and_read", lambda kernel, generation, directory: ([read, read], {}))
+    [twice] = schedule.measure([reduction], "v7x")
+    assert twice.seconds == pytest.approx(2 * estimate.seconds)
 
 
 @pytest.mark.parametrize("broken, says", [

@@ -113,7 +113,8 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
     directory = enable_dump()
     out = []
     for kernel in kernels:
-        schedule, others = _compile_and_read(kernel, generation, directory)
+        schedules, others = _compile_and_read(kernel, generation, directory)
+        schedule = max(schedules, key=lambda program: program.total_bundles)  # a grid's one; an XLA op's largest
         once, step, regions = _parts(kernel, schedule)
         step_mean, path_bundles = len(step), ()
         if kernel.grid:
@@ -135,9 +136,9 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
             if kernel.path_steps:
                 path_bundles = tuple(len(bundles) for _, bundles in per_path)
             step = max(per_path, key=lambda path: path[0])[1]  # units and MXU: the path most steps take
-        else:  # an XLA op: its whole program, its loop (if any) run as often as the compiler says
+        else:  # an XLA op: its whole programs, their loops (if any) run as often as the compiler says
             cores = 1
-            seconds = max(_program_bundles(schedule) / chip.clock_hz,
+            seconds = max(sum(map(_program_bundles, schedules)) / chip.clock_hz,
                           kernel.visible_steps * kernel.dma_bytes_per_step / chip.hbm_bytes_per_s)
         slots = schedule.unit_slots(step)
         bound = max(slots, key=lambda unit: slots[unit] / schedule.capacity[unit])
@@ -158,27 +159,30 @@ def measure(kernels: list[Kernel], generation: str) -> list[Estimate]:
 
 def _parts(kernel: Kernel, schedule: schedule_dump.Schedule) -> tuple[list[int], list[int], list]:
     """(the bundles run once per row of tiles, those every visible step runs or may run, the alternative paths'
-    regions): as the schedule says, with ``kernel.row_regions`` moved from the paths to once per row."""
-    once, step, regions = schedule.once_per_row_bundles(), schedule.step_bundles(), _declared_regions(kernel, schedule)
+    regions): as the schedule says, or, where the kernel names its once-per-row regions, with those in place of
+    the reader's own (read from grid-index compares, which a flag compared to a constant can look like)."""
     if not kernel.row_regions:
-        return once, step, regions
+        return schedule.once_per_row_bundles(), schedule.step_bundles(), _declared_regions(kernel, schedule)
+    regions = _declared_regions(kernel, schedule, with_once=True)
     if max(kernel.row_regions) >= len(regions):
         raise ValueError(f"kernel {kernel.name}: row_regions {kernel.row_regions} name regions its schedule does not "
                          f"have ({len(regions)}: {schedule.path})")
     moved = {i for k in kernel.row_regions for i in range(regions[k].first, regions[k].last + 1)}
-    return (sorted({*once, *moved}), [i for i in step if i not in moved],
+    body = sorted({*schedule.step_bundles(), *schedule.once_per_row_bundles()})
+    return (sorted(moved), [i for i in body if i not in moved],
             [region for k, region in enumerate(regions) if k not in kernel.row_regions])
 
 
-def _declared_regions(kernel: Kernel, schedule: schedule_dump.Schedule) -> list:
-    """The schedule's path regions, or, where the kernel declares more paths and row regions than they are and
-    one of them holds regions of its own, that one's: a guard around the paths with every-step work beside it
-    (Tokamax's fused backward at some blocks), which stays every-step work."""
-    regions = schedule.path_regions()
+def _declared_regions(kernel: Kernel, schedule: schedule_dump.Schedule, with_once: bool = False) -> list:
+    """The schedule's path regions (``with_once``: counting those it reads as once per row), or, where the kernel
+    declares more paths and row regions than they are and one of them holds regions of its own, that one's: a
+    guard around the paths with every-step work beside it (Tokamax's fused backward at some blocks), which stays
+    every-step work."""
+    regions = schedule.path_regions(with_once)
     declared = len(kernel.path_steps) + len(kernel.row_regions)
-    parents = [region for region in regions if schedule.children(region)]
+    parents = [region for region in regions if schedule.children(region, with_once)]
     if kernel.path_steps and len(regions) < declared and len(parents) == 1:
-        return schedule.children(parents[0])
+        return schedule.children(parents[0], with_once)
     return regions
 
 
@@ -301,8 +305,9 @@ def matmul_kernel(m: int, k: int, n: int, steps: int) -> Kernel:
 
 
 def _compile_and_read(kernel: Kernel, generation: str, directory: Path):
-    """Compiles ``kernel``; (the schedule of its Mosaic kernel, or for grid () of its one XLA op, and
-    {name: bundles} of the other XLA ops the compile wrote, e.g. broadcasts of segment ids). Dump
+    """Compiles ``kernel``; ([the schedule of its Mosaic kernel], or for grid () the schedules of the XLA
+    programs its op compiled to (libtpu splits some reductions in two), and {name: bundles} of the other XLA
+    ops the compile wrote beside a Mosaic kernel, e.g. broadcasts of segment ids). Dump
     files are told apart by their ids (a compile's are the ids not there before it); the top-level
     program (TLP) only launches and is not read; a Mosaic kernel's schedule analysis names its
     ``tpu_custom_call``."""
@@ -320,15 +325,15 @@ def _compile_and_read(kernel: Kernel, generation: str, directory: Path):
                     if not any(name.startswith(f"{key}-TLP-") for name in files)}
         mosaic = [key for key, path in analyses.items() if _TPU_CUSTOM_CALL in path.read_text()]
         wanted = mosaic if kernel.grid else [key for key in analyses if key not in mosaic]
-        if len(wanted) != 1:
+        if len(wanted) != 1 and (kernel.grid or not wanted or mosaic):
             kind = "Mosaic kernel (one pallas_call)" if kernel.grid else "XLA op and no pallas_call"
             raise ValueError(f"kernel {kernel.name}: expected its compile to write one {kind}, found {len(wanted)} "
                              f"({sorted(analyses[key].name for key in wanted)}); measure each as its own Kernel")
         # The other programs (XLA's copies, broadcasts) are only reported, by their static size: some hold
         # nested loops, which the reader of a kernel's single grid loop does not take.
         others = {analyses[key].name.split("-", 1)[1].rsplit("-", 3)[0]: schedule_dump.static_bundles(directory, key)
-                  for key in analyses if key != wanted[0]}
-        return schedule_dump.read(directory, wanted[0]), others
+                  for key in analyses if key not in wanted}
+        return [schedule_dump.read(directory, key) for key in wanted], others
     finally:
         if str(directory) in _owned:
             for files in new.values():

@@ -164,22 +164,24 @@ class Schedule:
         once = set(self.once_per_row_bundles())
         return [i for i in range(self.body_first, self.body_last + 1) if i not in once]
 
-    def path_regions(self) -> list[Region]:
+    def path_regions(self, with_once: bool = False) -> list[Region]:
         """The alternative paths of the every-step work, in program order (e.g. a tile's mask-free and masked
-        work, each run on some of the steps): the outermost regions that are not once per row, looking inside
-        a region that is alone at its level (a guard every step takes, such as the pipeline's)."""
-        level = self.children(None)
-        while len(level) == 1 and self.children(level[0]):
-            level = self.children(level[0])
+        work, each run on some of the steps): the outermost regions that are not once per row (``with_once``:
+        those too), looking inside a region that is alone at its level (a guard every step takes, such as the
+        pipeline's)."""
+        level = self.children(None, with_once)
+        while len(level) == 1 and self.children(level[0], with_once):
+            level = self.children(level[0], with_once)
         return level
 
-    def children(self, parent: Region | None) -> list[Region]:
-        """The regions directly inside ``parent`` (None: the body) that are not once per row."""
+    def children(self, parent: Region | None, with_once: bool = False) -> list[Region]:
+        """The regions directly inside ``parent`` (None: the body) that are not once per row (``with_once``:
+        all of them)."""
         inside = [r for r in self.regions if parent is None
                   or (r != parent and parent.first <= r.first and r.last <= parent.last)]
         direct = [r for r in inside if not any(o is not r and o.first <= r.first and r.last <= o.last
                                                for o in inside)]
-        return [r for r in direct if not r.once_per_row]
+        return [r for r in direct if with_once or not r.once_per_row]
 
     def unit_slots(self, bundles: list[int]) -> dict[str, int]:
         return {unit: sum(self.usage[i][u] for i in bundles) for u, unit in enumerate(UNITS)}

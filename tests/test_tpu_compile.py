@@ -57,15 +57,10 @@ SHAPES = {
                          dropout_p=0.1),
 }
 # Outside the slow sweep: every shape on v5e, one on each other generation.
-QUICK = {("v4", "gemma2_8k"), ("v5p", "smollm2_packed"), ("v6e", "llama3_8b_2k"),
+QUICK = {("v4", "gemma2_8k"), ("v5p", "smollm2_packed"), ("v6e", "llama3_8b_8k"),
          *(("v5e", name) for name in SHAPES)}
-# Llama-3 at 8k and 32k tokens compile the kernels of 2k at longer grids; what the length changes, the fused
-# backward giving way to the split one, happens on v5e (test_the_default_backward_is_fused_until_...), and both
-# backwards compile on every generation (test_both_backwards_compile_for_every_generation): the longer ones
-# run on v5e only.
-LONGER = ("llama3_8b_8k", "llama3_8b_32k")
 SWEEP = [pytest.param(g, name, id=f"{g}-{name}", marks=() if (g, name) in QUICK else pytest.mark.slow)
-         for g in GENERATIONS for name in SHAPES if g == "v5e" or name not in LONGER]
+         for g in GENERATIONS for name in SHAPES]
 
 
 def _attention(case: Case) -> Attention:

@@ -279,13 +279,12 @@ def test_bbc_topics_recipe_runs_a_few_steps(tmp_path):
 @pytest.mark.slow
 def test_sotu_lm_recipe_runs_a_few_steps(tmp_path):
     out = str(tmp_path / "sotu")
-    # One step of two micro-batches: SmolLM2-135M's 30 layers compile for about as long as they train.
-    done = train_tiny.run_train(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "1", "--grad-accum",
-                                 "2", "--eval-batches", "1", "--output-dir", out])
+    done = train_tiny.run_train(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "2", "--grad-accum",
+                                 "2", "--eval-batches", "2", "--output-dir", out])
     printed = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
     evals = [r for r in records(out) if r.get("eval")]
-    assert [r["step"] for r in evals] == [0, 1]
+    assert [r["step"] for r in evals] == [0, 2]
     assert all(1 < r["perplexity"] < 1e4 for r in evals), evals
     assert "perplexity before" in printed
     assert os.path.isfile(os.path.join(out, "model", "config.json"))

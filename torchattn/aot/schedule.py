@@ -325,8 +325,8 @@ def _compile_and_read(kernel: Kernel, generation: str, directory: Path):
                     if not any(name.startswith(f"{key}-TLP-") for name in files)}
         mosaic = [key for key, path in analyses.items() if _TPU_CUSTOM_CALL in path.read_text()]
         wanted = mosaic if kernel.grid else [key for key in analyses if key not in mosaic]
-        if len(wanted) != 1 and (kernel.grid or not wanted or mosaic):
-            kind = "Mosaic kernel (one pallas_call)" if kernel.grid else "XLA op and no pallas_call"
+        if (len(wanted) != 1) if kernel.grid else (not wanted or mosaic):
+            kind = "Mosaic kernel (one pallas_call)" if kernel.grid else "or more XLA programs and no pallas_call"
             raise ValueError(f"kernel {kernel.name}: expected its compile to write one {kind}, found {len(wanted)} "
                              f"({sorted(analyses[key].name for key in wanted)}); measure each as its own Kernel")
         # The other programs (XLA's copies, broadcasts) are only reported, by their static size: some hold

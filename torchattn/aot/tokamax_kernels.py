@@ -137,9 +137,9 @@ def _made(attention, generation, blocks, block_kv_compute, residuals, experiment
     shape = _Shape.of(attention, _divisible(attention, blocks, TOKAMAX))
     b = shape.blocks
     compute = block_kv_compute or (b.block_kv_bwd if backward else b.block_kv)
-    for name, block in (("block_kv_bwd", b.block_kv_bwd) if backward else ("block_kv", b.block_kv),):
-        if block % compute:
-            raise ValueError(f"block_kv_compute: expected a divisor of {name} {block}, got {compute}")
+    name, block = ("block_kv_bwd", b.block_kv_bwd) if backward else ("block_kv", b.block_kv)
+    if block % compute:
+        raise ValueError(f"block_kv_compute: expected a divisor of {name} {block}, got {compute}")
     backward_blocks = dict(block_q_dkv=b.block_q_bwd, block_kv_dkv=b.block_kv_bwd, block_kv_dkv_compute=compute,
                            dq_reduction_steps=3) if backward else {}
     config = splash.SplashConfig(block_q=b.block_q, block_kv=b.block_kv,

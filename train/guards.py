@@ -102,7 +102,9 @@ class MemoryWatch:
 
     Read at every logged step and at each epoch's end, so a one-epoch run is watched too.
     Growth beyond ``threshold`` (0.2 = +20 %) is logged as a probable leak, once per
-    quantity: a steady-state training loop allocates the same every step.
+    quantity: a steady-state training loop allocates the same every step. A step that
+    compiled is still warm-up (a new executable and the optimizer's state grow memory
+    once), so the first reading compared against is the first taken at a steady step.
     """
 
     def __init__(self, device, threshold: float = 0.2):
@@ -120,12 +122,14 @@ class MemoryWatch:
             reading["device_bytes"] = int(device["bytes_used"])
         return reading
 
-    def check(self, where: str) -> dict[str, int]:
-        """Reads memory now (``where``: "step 40", "end of epoch 0") and compares it with the first reading."""
+    def check(self, where: str, steady: bool = True) -> dict[str, int]:
+        """Reads memory now (``where``: "step 40", "end of epoch 0") and compares it with the first steady
+        reading; ``steady`` False (the step compiled) reads without taking it as that first one."""
         reading = self.read()
         self.readings.append(reading)
         if self.first is None:
-            self.first, self.first_where = reading, where
+            if steady:
+                self.first, self.first_where = reading, where
             return reading
         for name, value in reading.items():
             base = self.first.get(name)

@@ -447,7 +447,7 @@ class Trainer:
                               "step or writing model/. "
                               + self._where_to_resume())
         if logged:
-            memory = self.memory.check(f"step {step}")
+            memory = self.memory.check(f"step {step}", steady=not compiled)
             self.metrics.write({"step": step, "epoch": self.position.epoch, "loss": loss,
                                 "lr": lr, "tokens_per_s": tokens / elapsed,
                                 "step_time_s": elapsed, "compiles": compiles,

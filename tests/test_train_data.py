@@ -475,6 +475,21 @@ def test_unshuffled_order_and_lm_batches():
     assert (torch.cat([b["labels"] for b in batches])[len(rows):] == -100).all()
 
 
+def test_lm_batches_read_a_selection_of_packed_rows_and_refuse_rows_of_two_lengths():
+    rows = np.arange(6 * 4).reshape(6, 4)
+    columns = {"input_ids": rows.tolist(), "position_ids": (rows % 4).tolist(), "labels": (rows + 100).tolist()}
+    chosen = datasets.Dataset.from_dict(columns).select([4, 1, 5])  # an evaluation's sample: rows by index
+    (batch,) = lm.batches(chosen, batch_size=4, buckets=(4,), pad_id=0, shuffle=False, seed=0,
+                          drop_last=False).epoch(0)
+    assert batch["input_ids"].dtype == torch.int64
+    assert batch["input_ids"][:3].tolist() == rows[[4, 1, 5]].tolist()
+    assert batch["labels"][:3].tolist() == (rows[[4, 1, 5]] + 100).tolist()
+    ragged = datasets.Dataset.from_dict({key: [[1, 2, 3], [4]] for key in columns})
+    with pytest.raises(ValueError) as error:
+        lm.batches(ragged, batch_size=2, buckets=(4,), pad_id=0, shuffle=False, seed=0, drop_last=False)
+    assert str(error.value) == "dataset: expected packed rows of one length in column input_ids, got lengths [1, 3]"
+
+
 def test_loader_errors_name_the_argument():
     rows = classification_rows(5, 100)
     with pytest.raises(ValueError, match=r"batch_size: expected an int >= 1, got 0"):

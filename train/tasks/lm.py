@@ -7,6 +7,7 @@ import math
 
 import datasets
 import numpy as np
+import pyarrow.compute as pc
 import torch
 import transformers
 
@@ -89,8 +90,7 @@ class Rows:
             raise ValueError(f"dataset: expected columns input_ids, position_ids and labels, got "
                              f"{', '.join(sorted(columns))}")
         self.pad_id = pad_id
-        numpy = dataset.with_format("numpy")
-        self._rows = {key: np.asarray(numpy[key], dtype=np.int64)  # (rows, row_length)
+        self._rows = {key: _packed_column(dataset, key)  # (rows, row_length)
                       for key in ("input_ids", "position_ids", "labels")}
         # The token order of balanced batches (context_order), None: natural.
         self._order = None if balance is None else balanced_order(self._rows["input_ids"].shape[1], balance)
@@ -108,6 +108,18 @@ class Rows:
             value[:len(rows)] = self._rows[key][rows]
         tensors = {key: torch.from_numpy(value) for key, value in batch.items()}
         return tensors if self._order is None else context_order.balanced(tensors, self._order)
+
+
+def _packed_column(dataset: datasets.Dataset, key: str) -> np.ndarray:
+    """Column ``key`` of packed rows as one int64 array (rows, row_length), straight from its Arrow data: datasets'
+    numpy format builds one array per row first, seconds for the State of the Union at 128 tokens a row."""
+    column = dataset.with_format("arrow")[key].combine_chunks()  # the dataset's rows, selections applied
+    lengths = set(pc.list_value_length(column).to_pylist())
+    if len(lengths) > 1:
+        raise ValueError(f"dataset: expected packed rows of one length in column {key}, got lengths "
+                         f"{sorted(lengths)}")
+    length = lengths.pop() if lengths else 0
+    return pc.list_flatten(column).to_numpy(zero_copy_only=False).astype(np.int64).reshape(len(column), length)
 
 
 def batches(dataset: datasets.Dataset, *, buckets: tuple[int, ...], pad_id: int, balance: int | None = None,

@@ -26,6 +26,9 @@ from . import schedule_dump
 from .compiler import compile_jax
 
 _FLAG = "--xla_jf_dump_to="
+# Only the passes whose files are read (schedule_dump.kernel_files: the final schedule, its analysis and unit use):
+# libtpu otherwise writes all ~70 LLO passes of every program, ~40 MB a kernel, and compiles 2-3x slower for it.
+_ONLY_FINAL_PASSES = "--xla_jf_dump_llo_pass_label_regex=final"
 _DUMP_FILE = re.compile(r"^(\d+)-.+\.txt$")  # <id>-<program>-NN-<pass>.txt, <id>-TLP-hlo.txt
 _TPU_CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'  # in a Mosaic kernel's schedule analysis
 
@@ -90,7 +93,8 @@ def enable_dump(fresh: bool = False) -> Path:
                            f"{_FLAG}DIR in LIBTPU_INIT_ARGS, so its compiles write no schedule; call "
                            "torchattn.aot.schedule.enable_dump() (or set the variable) before anything loads libtpu")
     directory = tempfile.mkdtemp(prefix="torchattn-schedule-")
-    os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {_FLAG}{directory}".strip()
+    flags = flags.replace(_ONLY_FINAL_PASSES, "").strip()
+    os.environ["LIBTPU_INIT_ARGS"] = f"{flags} {_FLAG}{directory} {_ONLY_FINAL_PASSES}".strip()
     _owned.add(directory)
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return Path(directory)

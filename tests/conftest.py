@@ -21,6 +21,11 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
 
+# Under pytest-xdist (scripts/test.sh: two workers on 2 cores) one intra-op thread per worker, and per process it
+# starts, for torch's CPU work (eager models, float64 oracles): two threads each, the workers' threads contended for
+# the cores (measured: 8-10 % more time on the same modules). Set before anything imports torch.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torch 2.14 imports every installed device backend with torch (its autoload): in .venv-current that is torch_tpu,
 # which prints warnings on every process's stderr (tests read some children's stderr line by line) and loads libtpu.
 # Tests that need TorchTPU import torch_tpu themselves.

@@ -21,9 +21,19 @@ LLAMA_8K = ["--batch", "1", "--q-heads", "32", "--kv-heads", "8", "--seq-len", "
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m torchattn.aot ARGS`` in a process of its own: the command as a user runs it."""
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     return subprocess.run([sys.executable, "-m", "torchattn.aot", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+def run_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """The command's ``main`` in this process, its result as :func:`run_cli` gives it: for the tests of what it
+    compiles and prints, without a new process's imports and libtpu load each time."""
+    capsys.readouterr()
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["python", "-m", "torchattn.aot", *args], status, out, err)
 
 
 def table(stdout: str) -> list[dict[str, str]]:
@@ -56,10 +66,10 @@ def test_example_command_prints_each_kernel_with_default_blocks_and_hbm():
     assert float(rows[0]["hbm_args_MiB"]) == pytest.approx((4 + (32 + 8 + 8) * head_bytes) / 2**20, abs=0.05)
 
 
-def test_every_feature_flag_compiles():
-    result = run_cli("--generation", "v5e", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
-                     "--seq-len", "700", "--kv-len", "1000", "--window", "128,0", "--softcap", "30",
-                     "--segments", "--bias", "broadcast", "--dropout", "0.1", "--backward", "split")
+def test_every_feature_flag_compiles(capsys):
+    result = run_main(capsys, "--generation", "v5e", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
+                      "--seq-len", "700", "--kv-len", "1000", "--window", "128,0", "--softcap", "30",
+                      "--segments", "--bias", "broadcast", "--dropout", "0.1", "--backward", "split")
     assert result.returncode == 0, result.stderr
     assert "window=(128, 0), softcap=30.0, segments=True, bias=broadcast, dropout=0.1" in result.stdout
     rows = table(result.stdout)
@@ -68,10 +78,10 @@ def test_every_feature_flag_compiles():
     assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows} == blocks
 
 
-def test_generation_all_takes_each_generations_defaults_under_the_given_blocks():
+def test_generation_all_takes_each_generations_defaults_under_the_given_blocks(capsys):
     """'all': each generation this environment's libtpu compiles for (v7x only in .venv-current)."""
-    result = run_cli("--generation", "all", "--q-heads", "2", "--head-dim", "128", "--seq-len", "512",
-                     "--block-kv-bwd", "128", "--backward", "split")
+    result = run_main(capsys, "--generation", "all", "--q-heads", "2", "--head-dim", "128", "--seq-len", "512",
+                      "--block-kv-bwd", "128", "--backward", "split")
     assert result.returncode == 0, result.stderr
     rows = table(result.stdout)
     assert [(row["generation"], row["kernel"]) for row in rows] == [
@@ -83,9 +93,9 @@ def test_generation_all_takes_each_generations_defaults_under_the_given_blocks()
             == blocks, name
 
 
-def test_the_backward_a_call_gets_is_the_one_compiled():
+def test_the_backward_a_call_gets_is_the_one_compiled(capsys):
     """Llama-3-8B at 8k tokens on v5e gets the fused backward (its dq partials fit: kernels/backward.fused)."""
-    result = run_cli("--generation", "v5e", *LLAMA_8K)
+    result = run_main(capsys, "--generation", "v5e", *LLAMA_8K)
     assert result.returncode == 0, result.stderr
     rows = {row["kernel"]: row for row in table(result.stdout)}
     assert list(rows) == ["forward", "backward_fused", "dq_reduction"]
@@ -123,8 +133,8 @@ def test_schedule_prints_each_kernels_compiler_estimates():
         assert 0 < float(row["est_frac_peak"]) <= 1, row
 
 
-def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason():
-    result = run_cli("--generation", "v4", *LLAMA_8K, "--block-q", "2048", "--block-kv", "1024")
+def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason(capsys):
+    result = run_main(capsys, "--generation", "v4", *LLAMA_8K, "--block-q", "2048", "--block-kv", "1024")
     assert_one_line_failure(result, "v4", "VMEM")
 
 

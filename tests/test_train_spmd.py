@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -38,9 +37,9 @@ pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = ["--mesh", "data=2,fsdp=2"]
-# Each step's loss on a mesh against one device: the largest relative difference seen is 1.5e-7
-# (MiniLM, below; the tiny models' runs match exactly). 1e-6 leaves a margin of about 7x, some
-# 8 float32 roundings of a loss near 1: a wrong gradient reduction or batch split is far above it.
+# Each step's loss on a mesh against one device: the tiny models' runs match exactly; MiniLM, when it ran here,
+# differed by up to 1.5e-7. 1e-6 leaves a margin of about 7x, some 8 float32 roundings of a loss near 1: a wrong
+# gradient reduction or batch split is far above it.
 REL = 1e-6
 
 
@@ -237,10 +236,11 @@ def tiny_single(tiny, tmp_path_factory) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [2, 4])
-def test_the_default_command_trains_on_every_device_of_the_host(tiny, tiny_single, devices, tmp_path):
+def test_the_default_command_trains_on_every_device_of_the_host(tiny, tiny_single, tmp_path):
     """No --mesh on a host with several devices (a TPU VM with 4 chips runs one process that sees 4):
-    fsdp over all of them, said at the start and in the summary, with the single-device losses."""
+    fsdp over all of them, said at the start and in the summary, with the single-device losses. (Which
+    mesh the default is for other device counts: test_default_mesh.)"""
+    devices = 4
     result = run_spmd(["-m", "train", *tiny, "--output-dir", str(tmp_path)], devices=devices)
     assert result.returncode == 0, result.stderr[-3000:]
     mesh = f"fsdp={devices} ({devices} devices, 1 host), the default on a host with several devices " \
@@ -270,47 +270,6 @@ def test_mesh_none_trains_on_one_of_several_devices(tiny, tiny_single, tmp_path)
     assert losses(tmp_path) == tiny_single[:1], "the same computation on the same kind of device"
 
 
-# --- end to end on 4 virtual devices -------------------------------------------------------------------
-
-BBC = ["--max-length", "64", "--max-steps", "3", "--log-steps", "1", "--eval-batches", "1", "--dropout", "0"]
-
-
-@pytest.mark.slow
-def test_default_recipe_on_a_mesh_logs_the_single_device_losses_with_sharded_state(tmp_path):
-    """bbc-topics (MiniLM, global batch 16) over data=2 x fsdp=2, against one device."""
-    spmd = run_spmd(["tests/spmd_train_probe.py", *BBC, *MESH, "--output-dir", str(tmp_path / "mesh")])
-    assert spmd.returncode == 0, spmd.stderr[-3000:]
-    probe = json.loads(spmd.stdout.strip().splitlines()[-1])
-    assert main(BBC + ["--output-dir", str(tmp_path / "one")]) == 0
-    single = losses(tmp_path / "one")
-    assert len(single) == 3
-    difference = largest_relative_difference(probe["losses"], single)
-    print(f"bbc-topics: largest relative loss difference per step {difference:.2e}")
-    assert probe["losses"] == pytest.approx(single, rel=REL)
-
-    summary = probe["summary"]
-    assert summary["mesh"] == "data=2,fsdp=2 (4 devices, 1 host)"
-    assert summary["compiles_after_warmup"] == 0
-    parameters = probe["parameters"]
-    # Each of the 4 devices holds half of a parameter (the fsdp half of its data=2 replica), on the
-    # largest dimension 2 divides; gradients and AdamW moments are laid out like their parameter.
-    expected = {"bert.embeddings.word_embeddings.weight": [15261, 384],
-                "bert.embeddings.LayerNorm.weight": [192],
-                "bert.encoder.layer.0.intermediate.dense.weight": [768, 384],  # (1536, 384)
-                "classifier.weight": [5, 192],
-                "classifier.bias": [5]}
-    for name, shard in expected.items():
-        assert parameters[name]["shards"] == [shard] * 4, (name, parameters[name])
-    for name, layout in parameters.items():
-        assert len(layout["shards"]) == 4, name
-        assert layout["grad"] == layout["shards"], name
-        assert layout["moments"] == [layout["shards"]] * 2, name
-    # The batch: rows split over data x fsdp, a quarter per device.
-    assert probe["batch"]["input_ids"]["shape"][0] == 16
-    assert probe["batch"]["input_ids"]["shards"] == [[4, probe["batch"]["input_ids"]["shape"][1]]] * 4
-    assert probe["batch"]["labels"]["shards"] == [[4]] * 4
-
-
 @pytest.mark.slow
 def test_a_model_axis_splits_the_batch_over_data_only(tiny, tiny_single, tmp_path):
     """data=2 x model=2: each batch row sits on the 2 devices of its data index; no fsdp axis, so
@@ -325,23 +284,6 @@ def test_a_model_axis_splits_the_batch_over_data_only(tiny, tiny_single, tmp_pat
         assert layout["shards"] == [layout["shape"]] * 4, name
     assert probe["batch"]["labels"]["shards"] == [[2]] * 4
     assert [shard[0] for shard in probe["batch"]["input_ids"]["shards"]] == [2] * 4
-
-
-@pytest.mark.slow
-def test_long_document_recipe_on_a_mesh_logs_the_single_device_losses(llama, tmp_path):
-    """sotu-lm (whole speeches packed into rows, position ids restarting per speech) with a tiny Llama
-    (GQA 4:2) at 128 tokens, two micro-batches of 4 rows per step, through the CLI."""
-    flags = ["--recipe", "sotu-lm", "--model", llama, "--max-length", "128", "--batch-size", "4", "--grad-accum", "2",
-             "--max-steps", "3", "--lr", "3e-3", "--log-steps", "1", "--eval-batches", "1", "--dropout", "0"]
-    spmd = run_spmd(["-m", "train", *flags, *MESH, "--output-dir", str(tmp_path / "mesh")])
-    assert spmd.returncode == 0, spmd.stderr[-3000:]
-    assert "mesh: data=2,fsdp=2 (4 devices, 1 host)" in spmd.stdout
-    assert main(flags + ["--output-dir", str(tmp_path / "one")]) == 0
-    single, sharded = losses(tmp_path / "one"), losses(tmp_path / "mesh")
-    assert len(single) == 3
-    difference = largest_relative_difference(sharded, single)
-    print(f"sotu-lm: largest relative loss difference per step {difference:.2e}")
-    assert sharded == pytest.approx(single, rel=REL)
 
 
 @pytest.mark.slow
@@ -362,21 +304,6 @@ def test_a_mesh_that_does_not_match_the_devices_stops_before_training(tmp_path, 
 
 # --- torchattn's per-device kernels in training --------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def interpret_runs(tiny, tmp_path_factory) -> dict:
-    """``tiny`` for 4 steps with --backend interpret, which runs torchattn's kernels per device under a
-    mesh (on XLA:CPU the auto backend is xla, which GSPMD partitions itself): on this process's one
-    device, and over data=2 x fsdp=2 with XLA's dump of every program it compiled."""
-    folder = tmp_path_factory.mktemp("interpret")
-    flags = tiny + ["--max-steps", "4", "--backend", "interpret"]
-    assert main(flags + ["--output-dir", str(folder / "one")]) == 0
-    dump = folder / "dump"
-    result = run_spmd(["-m", "train", *flags, *MESH, "--output-dir", str(folder / "mesh")],
-                      XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {"flags": flags, "one": losses(folder / "one"), "mesh": losses(folder / "mesh"), "dump": str(dump)}
-
-
 def programs(dump: str, stage: str) -> list[str]:
     """The texts of the step and evaluation programs XLA dumped at ``stage`` (not its transfers')."""
     return [open(path).read() for path in sorted(glob.glob(os.path.join(dump, f"*SyncTensorsGraph*{stage}.txt")))]
@@ -388,47 +315,60 @@ ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
 
 
 @pytest.mark.slow
-def test_the_interpret_backend_runs_attention_per_device_on_a_mesh(interpret_runs):
-    """The kernels take each device's rows of q, k and v (tiny BERT: 4 heads of 8, global batch 4 over
-    4 devices), nothing gathers them, and the losses are the single-device ones."""
-    assert len(interpret_runs["one"]) == 4
-    difference = largest_relative_difference(interpret_runs["mesh"], interpret_runs["one"])
+def test_the_interpret_backend_runs_attention_per_device_on_a_mesh_with_sharded_state(tiny, tmp_path):
+    """data=2 x fsdp=2 with --backend interpret, which runs torchattn's kernels per device under a mesh (on XLA:CPU
+    the auto backend is xla, which GSPMD partitions itself), and XLA's dump of every program it compiled: the
+    losses are the single-device ones, every parameter, gradient and AdamW moment is split as fsdp splits it, and
+    the kernels take each device's rows of q, k and v (tiny BERT: 4 heads of 8, global batch 4 over 4 devices)
+    with nothing gathering them. (The default recipe's MiniLM is a BERT too; it is not run on a mesh here.)"""
+    flags = tiny + ["--backend", "interpret"]
+    assert main(flags + ["--output-dir", str(tmp_path / "one")]) == 0
+    dump = str(tmp_path / "dump")
+    spmd = run_spmd(["tests/spmd_train_probe.py", *flags, *MESH, "--output-dir", str(tmp_path / "mesh")],
+                    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump} --xla_dump_hlo_as_text")
+    assert spmd.returncode == 0, spmd.stderr[-3000:]
+    probe = json.loads(spmd.stdout.strip().splitlines()[-1])
+    one = losses(tmp_path / "one")
+    assert len(one) == 3
+    difference = largest_relative_difference(probe["losses"], one)
     print(f"interpret backend on a mesh: largest relative loss difference per step {difference:.2e}")
-    assert interpret_runs["mesh"] == pytest.approx(interpret_runs["one"], rel=REL)
+    assert probe["losses"] == pytest.approx(one, rel=REL)
+    assert probe["summary"]["mesh"] == "data=2,fsdp=2 (4 devices, 1 host)"
+    assert probe["summary"]["compiles_after_warmup"] == 0
+
+    # Each of the 4 devices holds half of a parameter (the fsdp half of its data=2 replica), on the largest
+    # dimension 2 divides; gradients and AdamW moments are laid out like their parameter.
+    parameters = probe["parameters"]
+    expected = {"bert.embeddings.word_embeddings.weight": [15261, 32],  # (30522, 32): MiniLM's vocabulary
+                "bert.embeddings.LayerNorm.weight": [16],
+                "bert.encoder.layer.0.intermediate.dense.weight": [32, 32],  # (64, 32)
+                "classifier.weight": [3, 16],  # 3 topics: odd
+                "classifier.bias": [3]}
+    for name, shard in expected.items():
+        assert parameters[name]["shards"] == [shard] * 4, (name, parameters[name])
+    for name, layout in parameters.items():
+        assert len(layout["shards"]) == 4, name
+        assert layout["grad"] == layout["shards"], name
+        assert layout["moments"] == [layout["shards"]] * 2, name
+    # The batch: rows split over data x fsdp, one of the 4 per device.
+    length = probe["batch"]["input_ids"]["shape"][1]
+    assert probe["batch"]["input_ids"] == {"shape": [4, length], "shards": [[1, length]] * 4}
+    assert probe["batch"]["labels"]["shards"] == [[1]] * 4
 
     # Before partitioning, the kernels' region starts where q, k, v (and out's gradient) become per device.
     inputs = [(kind, [int(d) for d in dims.split(",")])
-              for text in programs(interpret_runs["dump"], "before_optimizations")
+              for text in programs(dump, "before_optimizations")
               for kind, dims in MANUAL_INPUT.findall(text) if kind == "f32"]
     assert inputs, "no manual-sharding region: torchattn's kernels ran on the global tensors"
     for _, dims in inputs:
         assert len(dims) == 4 and (dims[0], dims[1], dims[3]) == (1, 4, 8), f"not one device's q: {dims}"
     # The partitioned programs: fsdp gathers parameters (1-d and 2-d), never the 4-d q, k, v or attention
     # output, and the global q shape (batch 4) appears nowhere.
-    after = programs(interpret_runs["dump"], "cpu_after_optimizations")
+    after = programs(dump, "cpu_after_optimizations")
     gathered = [dims.split(",") for text in after for _, dims in ALL_GATHER.findall(text)]
     assert gathered, "fsdp gathers parameters: the pattern must find them"
     assert not [dims for dims in gathered if len(dims) == 4], f"4-d arrays gathered: {gathered}"
     assert not [text for text in after if re.search(r"f32\[4,4,\d+,8\]", text)], "a global q in a per-device program"
-
-
-@pytest.mark.slow
-def test_a_sharded_checkpoint_resumes_on_the_same_mesh_and_on_one_device(interpret_runs, tmp_path):
-    """Stopped (as by SIGTERM) after step 2 of 4 on data=2 x fsdp=2, the run's sharded checkpoint
-    resumes with the same mesh, where steps 3 and 4 log exactly the uninterrupted run's losses, and,
-    copied, on one device (--mesh none), where they are the single-device run's."""
-    mesh, single = tmp_path / "mesh", tmp_path / "single"
-    stopped = run_spmd(["tests/spmd_train_stop.py", "2", *interpret_runs["flags"], *MESH, "--output-dir", str(mesh)])
-    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    assert os.path.isdir(mesh / "checkpoints" / "step-00000002"), "a sharded checkpoint is a folder"
-    shutil.copytree(mesh, single)
-
-    resumed = run_spmd(["-m", "train", "--output-dir", str(mesh), "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "mesh: data=2,fsdp=2 (4 devices, 1 host)" in resumed.stdout, "the saved configuration's mesh"
-    assert main(["--output-dir", str(single), "--resume", "--mesh", "none"]) == 0
-    assert losses(mesh) == interpret_runs["mesh"], "a resume continues exactly"
-    assert losses(single) == pytest.approx(interpret_runs["one"], rel=REL)
 
 
 @pytest.mark.slow
@@ -447,6 +387,7 @@ def test_a_real_sigterm_on_a_mesh_checkpoints_the_step_it_names_and_resumes_exac
     assert written, output[-3000:]
     step = int(written.group(1))
     assert os.listdir(parts / "checkpoints") == [f"step-{step:08d}"] == [os.path.basename(written.group(2))]
+    assert os.path.isdir(parts / "checkpoints" / f"step-{step:08d}"), "a sharded checkpoint is a folder"
     assert step < 5, "stopped before the end"
 
     resumed = run_spmd(["-m", "train", "--output-dir", str(parts), "--resume"])
@@ -469,10 +410,11 @@ CONTEXT_REL = 1e-5
 @pytest.fixture(scope="module")
 def long_documents(llama, tmp_path_factory) -> dict:
     """sotu-lm (whole speeches packed into rows, positions restarting per speech) with a tiny Llama (GQA
-    4:2) at 256 tokens, global batch 4, 2 steps, torchattn's kernels per device (--backend interpret; on
-    XLA:CPU auto is xla); its per-step losses on this process's one device."""
+    4:2) at 256 tokens, 2 steps of two micro-batches of 4 rows (the gradients accumulated over the mesh too),
+    torchattn's kernels per device (--backend interpret; on XLA:CPU auto is xla); its per-step losses on this
+    process's one device."""
     folder = tmp_path_factory.mktemp("context")
-    flags = ["--recipe", "sotu-lm", "--model", llama, "--max-length", "256", "--batch-size", "4", "--grad-accum", "1",
+    flags = ["--recipe", "sotu-lm", "--model", llama, "--max-length", "256", "--batch-size", "4", "--grad-accum", "2",
              "--max-steps", "2", "--lr", "3e-3", "--log-steps", "1", "--eval-batches", "1", "--dropout", "0",
              "--backend", "interpret"]
     assert main(flags + ["--output-dir", str(folder / "one")]) == 0
@@ -481,8 +423,8 @@ def long_documents(llama, tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_a_context_axis_splits_the_sequence_and_logs_the_single_device_losses(long_documents, tmp_path):
-    """fsdp=2 x context=2: each device holds 2 rows of 128 of the 4 x 256 tokens of a batch, attention
-    gathers K/V along the sequence, and the losses are the single-device ones."""
+    """fsdp=2 x context=2: each device holds 2 rows of 128 of the 4 x 256 tokens of a micro-batch, attention
+    gathers K/V along the sequence, and the losses of the accumulated steps are the single-device ones."""
     spmd = run_spmd(["tests/spmd_train_probe.py", *long_documents["flags"], *CONTEXT_MESH,
                      "--output-dir", str(tmp_path)])
     assert spmd.returncode == 0, spmd.stderr[-3000:]
@@ -521,23 +463,19 @@ def test_a_balanced_context_run_logs_the_single_device_losses(long_documents, ba
 
 
 @pytest.mark.slow
-def test_a_balanced_context_run_resumes_exactly_on_its_mesh_and_on_one_device(long_documents, balanced_run, tmp_path,
-                                                                              capsys):
-    """Stopped after step 1 of 2, the fsdp=2 x context=2 run's checkpoint resumes on the same mesh with
-    exactly the uninterrupted run's losses, and, copied, on one device (--mesh none), which feeds the
-    natural order again (said so) and logs the single-device losses."""
-    mesh, single = tmp_path / "mesh", tmp_path / "single"
+def test_a_balanced_context_run_resumes_on_one_device_in_the_natural_order(long_documents, balanced_run, tmp_path,
+                                                                           capsys):
+    """Stopped after step 1 of 2, the fsdp=2 x context=2 run's sharded checkpoint resumes on one device (--mesh
+    none), which feeds the natural order again (said so) and logs the single-device losses. (A resume on the same
+    mesh continues exactly: test_a_real_sigterm_on_a_mesh_checkpoints_the_step_it_names_and_resumes_exactly.)"""
+    mesh = tmp_path / "mesh"
     stopped = run_spmd(["tests/spmd_train_stop.py", "1", *balanced_run["flags"], "--output-dir", str(mesh)])
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
-    shutil.copytree(mesh, single)
-    resumed = run_spmd(["-m", "train", "--output-dir", str(mesh), "--resume"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "mesh: fsdp=2,context=2 (4 devices, 1 host)" in resumed.stdout
-    assert losses(mesh) == balanced_run["probe"]["losses"], "a resume continues exactly"
+    assert losses(mesh) == balanced_run["probe"]["losses"][:1]
 
     capsys.readouterr()
-    assert main(["--output-dir", str(single), "--resume", "--mesh", "none"]) == 0
+    assert main(["--output-dir", str(mesh), "--resume", "--mesh", "none"]) == 0
     printed = capsys.readouterr().out.splitlines()
     assert "  --balance-context: True -> False from step 2 on" in printed
     assert "  --mesh: 'fsdp=2,context=2' -> none from step 2 on" in printed, "None as --mesh spells it"
-    assert losses(single) == pytest.approx(long_documents["one"], rel=CONTEXT_REL)
+    assert losses(mesh) == pytest.approx(long_documents["one"], rel=CONTEXT_REL)

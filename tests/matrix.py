@@ -51,6 +51,14 @@ def pairwise_cases(seed: int = 0, candidates: int = 40) -> list[Case]:
     return [_case({n: PARAMETERS[n][k] for n, k in pick.items()}) for pick in chosen]
 
 
+def drawn_cases(seed: int, count: int, **fixed) -> list[Case]:
+    """``count`` cases with every parameter drawn at random with ``seed`` (those in ``fixed`` set): shapes and
+    features no kernel change was measured or tuned on, for checking a change of arithmetic on held-out calls."""
+    rng = random.Random(seed)
+    return [_case({name: fixed[name] if name in fixed else rng.choice(values) for name, values in PARAMETERS.items()})
+            for _ in range(count)]
+
+
 def _case(values) -> Case:
     (q_len, kv_len), (q_heads, kv_heads) = values.pop("lengths"), values.pop("heads")
     batch = 1 if max(q_len, kv_len) >= 1000 else 2  # keeps the long cases cheap on CPU

@@ -31,8 +31,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import generations
 from . import arguments, vmem
-from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
-                     pallas_function, q_grid_coords, tile_paths)
+from .common import (LOG2E, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
+                     pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import dkv_cost, dq_cost, fused_cost
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -72,10 +72,14 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     ds is the gradient of the logits after softcap and bias (= dbias); dlogits
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
     """
-    # (block_q, block_kv): each row's lse and delta, held in all 128 lanes, repeated as whole vregs.
-    lse, delta = (lanes(inputs[name][...], k.shape[0]) for name in ("lse", "delta"))
-    s, keep, capped = block_scores(spec, key_ref, inputs, q, k, q_block, kv_block, masked)
-    p = jnp.exp(s - lse)  # (block_q, block_kv)
+    # (block_q, block_kv): each row's lse (in base 2, as the scores: common.block_scores) and delta, held in all
+    # 128 lanes, repeated as whole vregs.
+    lse = lanes(inputs["lse"][...] * LOG2E, k.shape[0])
+    delta = lanes(inputs["delta"][...], k.shape[0])
+    # q times common.score_factor: (block_q, head_dim) multiplies instead of (block_q, block_kv); q itself stays for dk.
+    q_scaled = (q.astype(jnp.float32) * score_factor(spec.options)).astype(q.dtype)
+    s, keep, capped = block_scores(spec, key_ref, inputs, q_scaled, k, q_block, kv_block, masked, prescaled=True)
+    p = jnp.exp2(s - lse)  # (block_q, block_kv)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)  # lse is not -inf where keep
     dp = _dot(do, inputs["v"][...], _NT)

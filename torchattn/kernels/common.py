@@ -7,6 +7,7 @@ mode alike.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -127,12 +128,29 @@ def global_rows(spec: KernelSpec, key_ref, q_block, rows):
     return rows + spec.geometry(key_ref).row_shift(q_block) if spec.sequence_shard else rows
 
 
-def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_block, masked: bool):
-    """Scores and visibility of one (block_q, block_kv) tile.
+# The kernels keep logits in base 2 (log2(e) times the natural ones) and exponentiate with exp2: the TPU's
+# transcendental unit computes 2**x, and jnp.exp adds a multiply by log2(e) per element on the vector units (libtpu's
+# schedule of a (512, 1024) float32 tile on v5e, v6e and v7x: 2 VALU slots per vreg for exp, 1 for exp2). The factor
+# joins the scale's multiply, so it costs nothing per element.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def score_factor(options) -> float:
+    """What q @ k^T is multiplied by before anything else: the scale and :data:`LOG2E`, or with a softcap the scale
+    over the cap (the tanh's argument). A kernel may multiply its q block by it once (``prescaled``) instead of
+    multiplying every score."""
+    return options.scale * LOG2E if options.softcap is None else options.scale / options.softcap
+
+
+def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_block, masked: bool,
+                 prescaled: bool = False):
+    """Scores (in base 2: :data:`LOG2E` times the logits) and visibility of one (block_q, block_kv) tile.
 
     inputs: the kernel's input refs by name (kernels/arguments.py): the segment ids' blocks, (block_q, LANES)
     and (SUBLANES, block_kv), when the call has them, and every per-pair input's (block_q or 1, block_kv or 1)
-    block, each added to the scores (a bias); q: (block_q, head_dim), k: (block_kv, head_dim), loaded.
+    block, each added to the scores (a bias); q: (block_q, head_dim), k: (block_kv, head_dim), loaded; ``prescaled``:
+    q is already multiplied by :func:`score_factor`.
     ``masked``: False on a full tile (:func:`tile_paths`), which needs no band or padding mask, only the
     segment ids' compare if there are ids. Returns (scores float32 with masked entries -inf, visible bool or
     None when nothing is masked, capped tanh or None); the tanh is kept for the softcap gradient.
@@ -140,14 +158,15 @@ def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_bloc
     bq, bkv = q.shape[0], k.shape[0]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     options = spec.options
-    s = s * options.scale
     capped = None
-    if options.softcap is not None:
-        capped = jnp.tanh(s / options.softcap)
-        s = options.softcap * capped
+    if not prescaled:
+        s = s * score_factor(options)
+    if options.softcap is not None:  # softcap * tanh(logits / softcap), in base 2
+        capped = jnp.tanh(s)
+        s = (options.softcap * LOG2E) * capped
     for array in spec.arrays:  # each per (q, kv) pair input is an additive term of the logits
         if array.role == PAIRS:
-            s = s + inputs[array.name][...].astype(jnp.float32)
+            s = s + inputs[array.name][...].astype(jnp.float32) * LOG2E
     q_ids, kv_ids = load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids"))
     if q_ids is not None:
         # (block_q, block_kv) both, by repeating whole vregs: the query ids fill all 128 lanes of their rows,

@@ -17,13 +17,13 @@ from jax.experimental.pallas import tpu as pltpu
 
 from ..tiling import LANES
 from . import arguments
-from .common import (KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
-                     pallas_function, q_grid_coords, tile_paths)
+from .common import (LN2, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
+                     pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import forward_cost
 
 
 def forward_kernel(key_ref, *refs, spec: KernelSpec):
-    inputs, (o_ref, lse_ref, m_ref, l_ref, acc_ref) = arguments.unpack(spec, refs, backward=False)
+    inputs, (o_ref, lse_ref, m_ref, l_ref, acc_ref, q_scaled_ref) = arguments.unpack(spec, refs, backward=False)
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
 
     @pl.when(kv_block == 0)
@@ -31,17 +31,20 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+        # The row of tiles multiplies its q block once, instead of every (block_q, block_kv) tile of scores.
+        q = inputs["q"][...].astype(jnp.float32)
+        q_scaled_ref[...] = (q * score_factor(spec.options)).astype(q_scaled_ref.dtype)
 
     def tile(masked: bool):
-        s, _, _ = block_scores(spec, key_ref, inputs, inputs["q"][...], inputs["k"][...], q_block, kv_block,
-                               masked)  # s: (block_q, block_kv)
+        s, _, _ = block_scores(spec, key_ref, inputs, q_scaled_ref[...], inputs["k"][...], q_block, kv_block,
+                               masked, prescaled=True)  # s: (block_q, block_kv)
         # The running max and denominator stay (block_q, 128), each row's value in all its lanes: widening
         # them to a tile repeats whole vregs, where a (block_q, 1) column would be broadcast lane by lane.
         m_prev, l_prev = m_ref[...], l_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
-        p = jnp.exp(s - lanes(m_safe, s.shape[1]))  # masked entries: exp(-inf) = 0
-        alpha = jnp.exp(m_prev - m_safe)
+        p = jnp.exp2(s - lanes(m_safe, s.shape[1]))  # masked entries: 2**-inf = 0
+        alpha = jnp.exp2(m_prev - m_safe)
         l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         m_ref[...] = m_next
         if spec.options.dropout_p > 0.0:
@@ -61,7 +64,8 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         seen = l != 0.0
         inverse = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
         o_ref[...] = (acc_ref[...] * lanes(inverse, acc_ref.shape[1])).astype(o_ref.dtype)
-        lse_ref[...] = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+        # m is in base 2 (common.block_scores); lse in natural units, as the backward and the caller take it
+        lse_ref[...] = jnp.where(seen, (m + jnp.log2(jnp.where(seen, l, 1.0))) * LN2, -jnp.inf)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,5 +91,6 @@ def forward_call(spec: KernelSpec):
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running denominator
-                        pltpu.VMEM((bq, d), jnp.float32)],  # output accumulator
+                        pltpu.VMEM((bq, d), jnp.float32),  # output accumulator
+                        pltpu.VMEM((bq, d), jnp.dtype(spec.dtype))],  # q times common.score_factor
         name="torchattn_forward", cost_estimate=forward_cost(spec))

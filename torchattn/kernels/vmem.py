@@ -11,7 +11,7 @@ A kernel holds in VMEM:
   128: a head_dim below 128, which the arrays keep unpadded, still fills whole
   tiles (the compiler lays such arrays out as T(8,128));
 - its scratch (forward.py, backward.py), float32: the forward's running max and
-  denominator (block_q, 128) and accumulator (block_q, head_dim); dq's
+  denominator (block_q, 128) and accumulator (block_q, head_dim) (and its scaled q block, in q's dtype); dq's
   accumulator (block_q, head_dim); dk/dv's (and the fused kernel's) two (block_kv,
   head_dim); the backward's transposed, (head_dim, rows), below 128 lanes;
 - the compiler's intermediates, :data:`INTERMEDIATES`, measured.
@@ -154,7 +154,7 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
         inputs.append(_tile_bytes(rows, cols, arguments.ITEMSIZE[array.dtype]))
     if kernel == "forward":
         outputs = [q_block, per_row]  # out, lse
-        scratch = [per_row, per_row, _tile_bytes(block_q, d, _WORD)]
+        scratch = [per_row, per_row, _tile_bytes(block_q, d, _WORD), q_block]  # max, sum, accumulator, scaled q
     elif kernel == "backward_dq":
         outputs = [q_block] + ([scores] if operands.score_grad else [])
         scratch = [_accumulator_bytes(operands.head_dim, block_q)]

@@ -94,7 +94,7 @@ def test_estimate_of_one_grid_predicts_a_compile_with_another(probes):
     chip = generations.get("v5e")
     short, long = probes["causal_2048"], probes["causal_4096"]
     assert long["visible_steps"] == 8 * (8 * 9 // 2)  # 8 heads, causal 8 x 8 tiles of 512
-    assert long["path_steps"] == [8 * (8 * 7 // 2), 8 * 8]  # below the diagonal (mask-free), on it (masked)
+    assert long["path_steps"] == [8 * (8 * 7 // 2), 8 * 8]  # below the diagonal (mask-free), on it (the diagonal path)
     dma = long["dma_bytes_per_step"] / chip.hbm_bytes_per_s
     predicted = (sum(steps * max(bundles / chip.clock_hz, dma)
                      for steps, bundles in zip(long["path_steps"], short["path_bundles"]))

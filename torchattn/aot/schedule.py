@@ -240,29 +240,28 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
                               useful_flops=2.0 * matmuls * pairs * attention.head_dim,
-                              path_steps=_path_steps(spec, spec.score_grad and name in WRITES_DS)))
+                              path_steps=_path_steps(spec, spec.score_grad and name in WRITES_DS,
+                                                     diagonal=name == "forward")))
     return kernels
 
 
 WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
-def _path_steps(spec, zeroed_skips: bool) -> tuple[int, ...]:
-    """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_paths: mask-free full tiles,
-    then masked ones), then, when ``zeroed_skips`` (a kernel writing ds), the skipped tiles whose ds is zeroed; ()
-    for a kernel with one path and nothing else predicated per step."""
+def _path_steps(spec, zeroed_skips: bool, diagonal: bool = False) -> tuple[int, ...]:
+    """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles,
+    masked ones, and with ``diagonal`` (the forward) the causal diagonal's), then, when ``zeroed_skips`` (a kernel
+    writing ds), the skipped tiles whose ds is zeroed; () for a kernel with one path and nothing else predicated
+    per step."""
     import numpy as np
 
     from ..kernels import common
 
-    built = common.paths(spec)
-    if len(built) == 1 and not zeroed_skips:
+    kinds = common.tile_kinds(spec, diagonal)
+    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips:
         return ()
-    q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
-    visible = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape)
-    full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape) & visible
-    tiles = {common.MASK_FREE: full, common.MASKED: visible & ~full} if len(built) > 1 else {built[0]: visible}
-    counts = [int(tiles[path].sum()) for path in built] + ([int((~visible).sum())] if zeroed_skips else [])
+    visible = np.logical_or.reduce(list(kinds.values()))
+    counts = [int(tiles.sum()) for tiles in kinds.values()] + ([int((~visible).sum())] if zeroed_skips else [])
     return tuple(spec.batch * spec.q_heads * n for n in counts)
 
 

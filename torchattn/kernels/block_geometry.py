@@ -98,6 +98,13 @@ class BlockGeometry:
             full = full & (kv_end - 1 <= last)
         return full
 
+    def on_diagonal(self, q_block, kv_block):
+        """Whether the tile is square on the diagonal with no padding: its query i (local) sits at key i (local). On
+        a causal band (no left side) such a tile's query i sees exactly keys 0..i of it. Operators only."""
+        q_start, kv_start = q_block * self.block_q, kv_block * self.block_kv
+        return ((q_start + (self.kv_len - self.q_len) == kv_start) & (q_start + self.block_q <= self.q_len)
+                & (kv_start + self.block_kv <= self.kv_len))
+
     def fetched_kv_block(self, q_block, kv_block, xp):
         """The key block the index maps of query block ``q_block`` fetch at kv step ``kv_block``.
 

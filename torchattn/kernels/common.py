@@ -144,13 +144,14 @@ def score_factor(options) -> float:
 
 
 def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_block, masked: bool,
-                 prescaled: bool = False):
+                 prescaled: bool = False, piece: tuple[slice, slice] = (slice(0, None), slice(0, None))):
     """Scores (in base 2: :data:`LOG2E` times the logits) and visibility of one (block_q, block_kv) tile.
 
     inputs: the kernel's input refs by name (kernels/arguments.py): the segment ids' blocks, (block_q, LANES)
     and (SUBLANES, block_kv), when the call has them, and every per-pair input's (block_q or 1, block_kv or 1)
     block, each added to the scores (a bias); q: (block_q, head_dim), k: (block_kv, head_dim), loaded; ``prescaled``:
-    q is already multiplied by :func:`score_factor`.
+    q is already multiplied by :func:`score_factor`. ``piece``: the (rows, columns) of the tile computed, static
+    slices (the diagonal path's pieces); q and k are then those rows and keys, and every other input is read there.
     ``masked``: False on a full tile (:func:`tile_paths`), which needs no band or padding mask, only the
     segment ids' compare if there are ids. Returns (scores float32 with masked entries -inf, visible bool or
     None when nothing is masked, capped tanh or None); the tanh is kept for the softcap gradient.
@@ -164,10 +165,14 @@ def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_bloc
     if options.softcap is not None:  # softcap * tanh(logits / softcap), in base 2
         capped = jnp.tanh(s)
         s = (options.softcap * LOG2E) * capped
+    rows, cols = piece
     for array in spec.arrays:  # each per (q, kv) pair input is an additive term of the logits
         if array.role == PAIRS:
-            s = s + inputs[array.name][...].astype(jnp.float32) * LOG2E
-    q_ids, kv_ids = load(inputs.get("segment_ids")), load(inputs.get("kv_segment_ids"))
+            ref = inputs[array.name]  # (block_q or 1, block_kv or 1): a broadcast dimension is not cut
+            block = ref[rows if ref.shape[0] > 1 else slice(None), cols if ref.shape[1] > 1 else slice(None)]
+            s = s + block.astype(jnp.float32) * LOG2E
+    q_ids, kv_ids = inputs.get("segment_ids"), inputs.get("kv_segment_ids")
+    q_ids, kv_ids = (None, None) if q_ids is None else (q_ids[rows, :], kv_ids[:, cols])
     if q_ids is not None:
         # (block_q, block_kv) both, by repeating whole vregs: the query ids fill all 128 lanes of their rows,
         # the key ids all 8 sublanes of their columns (kernels/arguments.py).
@@ -177,8 +182,8 @@ def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_bloc
             return s, None, capped
         keep = q_ids == kv_ids
         return jnp.where(keep, s, -jnp.inf), keep, capped
-    rows = q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
-    cols = kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
+    rows = q_block * spec.block_q + rows.start + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 0)
+    cols = kv_block * spec.block_kv + cols.start + jax.lax.broadcasted_iota(jnp.int32, (bq, bkv), 1)
     # Padded query rows see nothing, so their lse is -inf.
     left, right = options.bounds
     q_len = options.sequence_shard[0] if spec.sequence_shard else spec.q_len
@@ -189,49 +194,80 @@ def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_bloc
     return jnp.where(keep, s, -jnp.inf), keep, capped
 
 
-MASK_FREE, MASKED = "mask-free", "masked"
+MASK_FREE, MASKED, DIAGONAL = "mask-free", "masked", "diagonal"
 
 
-def paths(spec: KernelSpec) -> tuple[str, ...]:
-    """The tile paths the kernels of ``spec`` build, in program order: mask-free for full tiles (every pair
-    visible by the band and the lengths, BlockGeometry.full: no band or padding mask; segment ids, which are
-    data, still compared), masked for the other visible ones. A call without band and padding has only full
-    tiles; a path no tile takes is not built. A sequence shard's tiles depend on its offsets (data): with a
-    band or padding, both paths are built."""
+def diagonal_pieces(spec: KernelSpec) -> int:
+    """Row pieces of a causal diagonal tile on the diagonal path (0: the call has none). Query piece r of such a
+    tile sees the tile's key pieces 0..r only: the path computes those, masks piece r alone of them and skips the
+    rest, (pieces + 1) / (2 pieces) of the tile's work. Pieces are whole lanes wide (128 keys); a causal band
+    (no left side), square blocks on the diagonal (kernels/block_geometry.py, ``on_diagonal``) and rows that are
+    global (no sequence shard) are what makes a tile's triangle static."""
+    left, right = spec.options.bounds
+    square = spec.block_q == spec.block_kv and (spec.kv_len - spec.q_len) % spec.block_q == 0
+    if spec.sequence_shard or left is not None or right != 0 or not square:
+        return 0
+    return next((pieces for pieces in (4, 2) if spec.block_q % (pieces * LANES) == 0), 0)
+
+
+def tile_kinds(spec: KernelSpec, diagonal: bool = False) -> dict:
+    """{path: bool (q blocks, kv blocks), the tiles on it}, the paths in program order, as the kernels build them
+    (:func:`tile_paths`), on the host: mask-free for full tiles (every pair visible by the band and the lengths,
+    BlockGeometry.full: no band or padding mask; segment ids, which are data, still compared), masked for the
+    other visible ones, and with ``diagonal`` (a kernel that has the path) the causal diagonal's tiles
+    (:func:`diagonal_pieces`) apart from the masked. A path no tile takes is not built. A sequence shard's tiles
+    depend on its offsets (data): with a band or padding, the mask-free and the masked paths are both built (the
+    tiles reported on each are the last shard's, spec.blocks)."""
     import numpy as np
 
-    if spec.blocks.every_tile_full:
-        return (MASK_FREE,)
-    if spec.sequence_shard:
-        return MASK_FREE, MASKED
     q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
-    full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape)
-    partial = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape) & ~full
-    return tuple(path for path, tiles in ((MASK_FREE, full), (MASKED, partial)) if tiles.any())
+    visible = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape)
+    if spec.blocks.every_tile_full:
+        return {MASK_FREE: visible}
+    full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape) & visible
+    if spec.sequence_shard:  # both paths, the tiles of the last shard (spec.blocks) on each
+        return {MASK_FREE: full, MASKED: visible & ~full}
+    on_diagonal = visible & spec.blocks.on_diagonal(q_block, kv_block) if diagonal and diagonal_pieces(spec) else \
+        np.zeros_like(visible)
+    kinds = {MASK_FREE: full, MASKED: visible & ~full & ~on_diagonal, DIAGONAL: on_diagonal}
+    return {path: tiles for path, tiles in kinds.items() if tiles.any()}
 
 
-def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile) -> None:
-    """Runs ``tile(masked)`` on a visible tile, on the path :func:`paths` gives it."""
-    built = paths(spec)
-    if len(built) == 1:
+def paths(spec: KernelSpec, diagonal: bool = False) -> tuple[str, ...]:
+    """The tile paths the kernels of ``spec`` build, in program order (:func:`tile_kinds`)."""
+    return tuple(tile_kinds(spec, diagonal))
+
+
+def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile, diagonal_tile=None) -> None:
+    """Runs ``tile(masked)`` on a visible tile, on the path :func:`paths` gives it; ``diagonal_tile()`` (a kernel
+    that has the diagonal path) on a causal diagonal tile."""
+    built = paths(spec, diagonal=diagonal_tile is not None)
+    if len(built) == 1 and built[0] != DIAGONAL:
         pl.when(visible)(lambda: tile(masked=built[0] == MASKED))
         return
-    full = spec.geometry(key_ref).full(q_block, kv_block)
-    pl.when(full)(lambda: tile(masked=False))
-    pl.when(visible & jnp.logical_not(full))(lambda: tile(masked=True))
+    geometry = spec.geometry(key_ref)
+    full = geometry.full(q_block, kv_block)
+    on_diagonal = geometry.on_diagonal(q_block, kv_block) if DIAGONAL in built else False
+    if MASK_FREE in built:
+        pl.when(full)(lambda: tile(masked=False))
+    if MASKED in built:
+        pl.when(visible & jnp.logical_not(full) & jnp.logical_not(on_diagonal))(lambda: tile(masked=True))
+    if DIAGONAL in built:
+        pl.when(on_diagonal)(diagonal_tile)
 
 
-def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape):
-    """Keep mask divided by (1 - p) for one tile, from the hash in torchattn.dropout; ``key_ref``
-    holds the dropout key (seed, first batch-head, heads): see torchattn.dropout.keys."""
+def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape, first=(0, 0)):
+    """Keep mask divided by (1 - p) for one tile (``first``: the row and column of the tile that shape's first
+    element is, for a piece of it), from the hash in torchattn.dropout; ``key_ref`` holds the dropout key (seed,
+    first batch-head, heads): see torchattn.dropout.keys."""
     bq, bkv = shape
     # Scalars become (block_q, 1) vectors before any uint32 work: Mosaic bitcasts vectors only.
     column = jnp.zeros((bq, 1), jnp.int32)
     seeds = jax.lax.bitcast_convert_type(column + key_ref[0], jnp.uint32)
     batch_head = (column + (key_ref[1] + batch * key_ref[2] + head)).astype(jnp.uint32)
-    rows = global_rows(spec, key_ref, q_block, q_block * spec.block_q + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0))
-    rows = rows.astype(jnp.uint32)
-    cols = (kv_block * spec.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)).astype(jnp.uint32)
+    rows = q_block * spec.block_q + first[0] + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    rows = global_rows(spec, key_ref, q_block, rows).astype(jnp.uint32)
+    cols = (kv_block * spec.block_kv + first[1] + jax.lax.broadcasted_iota(jnp.int32, (1, bkv), 1)).astype(jnp.uint32)
     bits = dropout.element_bits(dropout.row_keys(seeds, batch_head, rows), dropout.column_keys(cols))
     keep = bits >= jnp.uint32(dropout.keep_threshold(spec.options.dropout_p))
     return jnp.where(keep, 1.0 / (1.0 - spec.options.dropout_p), 0.0).astype(jnp.float32)

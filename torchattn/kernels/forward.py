@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from ..tiling import LANES
 from . import arguments
 from .common import (LN2, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
-                     pallas_function, q_grid_coords, score_factor, tile_paths)
+                     diagonal_pieces, pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import forward_cost
 
 
@@ -35,26 +35,38 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         q = inputs["q"][...].astype(jnp.float32)
         q_scaled_ref[...] = (q * score_factor(spec.options)).astype(q_scaled_ref.dtype)
 
-    def tile(masked: bool):
-        s, _, _ = block_scores(spec, key_ref, inputs, q_scaled_ref[...], inputs["k"][...], q_block, kv_block,
-                               masked, prescaled=True)  # s: (block_q, block_kv)
+    def update(masked: bool, rows=slice(0, None), cols=slice(0, None)):
+        """The online softmax over the keys ``cols`` of the tile, for its queries ``rows`` (static slices)."""
+        s, _, _ = block_scores(spec, key_ref, inputs, q_scaled_ref[rows, :], inputs["k"][cols, :], q_block, kv_block,
+                               masked, prescaled=True, piece=(rows, cols))  # s: (rows, cols)
         # The running max and denominator stay (block_q, 128), each row's value in all its lanes: widening
         # them to a tile repeats whole vregs, where a (block_q, 1) column would be broadcast lane by lane.
-        m_prev, l_prev = m_ref[...], l_ref[...]
+        m_prev, l_prev = m_ref[rows, :], l_ref[rows, :]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
         p = jnp.exp2(s - lanes(m_safe, s.shape[1]))  # masked entries: 2**-inf = 0
         alpha = jnp.exp2(m_prev - m_safe)
-        l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-        m_ref[...] = m_next
+        l_ref[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+        m_ref[rows, :] = m_next
         if spec.options.dropout_p > 0.0:
-            p = p * dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
-        v = inputs["v"][...]
+            p = p * dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape,
+                                  first=(rows.start, cols.start))
+        v = inputs["v"][cols, :]
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                  preferred_element_type=jnp.float32)
-        acc_ref[...] = acc_ref[...] * lanes(alpha, acc_ref.shape[1]) + pv
+        acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, acc_ref.shape[1]) + pv
 
-    tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref).visible(q_block, kv_block, jnp), tile)
+    def tile(masked: bool):
+        update(masked)
+
+    def diagonal_tile():
+        """A causal diagonal tile (common.diagonal_pieces): query piece r takes key pieces 0..r."""
+        size = spec.block_q // diagonal_pieces(spec)
+        for piece in range(diagonal_pieces(spec)):
+            update(True, slice(piece * size, (piece + 1) * size), slice(0, (piece + 1) * size))
+
+    tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref).visible(q_block, kv_block, jnp), tile,
+               diagonal_tile if diagonal_pieces(spec) else None)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():

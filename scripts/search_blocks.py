@@ -16,6 +16,10 @@ the smallest geometric mean of seconds over the representative calls, or among t
 one with the smallest blocks (less padding and causal waste on short sequences, less VMEM, faster
 compiles); the summary prints it beside the current default's.
 
+``--compute`` searches instead the forward's compute block (BlockSizes.block_kv_compute: keys computed at a
+time inside the key block) at each group's default forward blocks, over COMPUTE_SIZES and the whole block,
+on the same representative calls: docs/bench/blocks-<gen>-compute.csv, the chosen size by the same rule.
+
 ``--implementation splash splash-fused`` runs the same search for JAX's splash attention (its split and
 its fused backward) at head_dim 128, so that each kernel can be compared at its own best blocks
 (docs/performance.md).
@@ -33,13 +37,14 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIZES = (256, 512, 1024, 2048)
+COMPUTE_SIZES = (128, 256, 512)  # and None, the whole key block
 SEQ_LEN = 8192
 TIE = 0.01
 HEAD_GROUPS = {"narrow": (64, 128), "wide": (256,)}  # generations.Generation.blocks and .blocks_wide_heads
 PARTS = {"forward": ("forward",), "backward": ("backward_fused", "dq_reduction", "backward_dq", "backward_dkv")}
 IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused")
 FIELDS = ("generation", "implementation", "heads_group", "head_dim", "causal", "part", "block_q", "block_kv",
-          "fits_every_feature", "status", "seconds", "step_bundles")
+          "block_kv_compute", "fits_every_feature", "status", "seconds", "step_bundles")
 
 
 def kernels(implementation: str, attention, generation: str, blocks) -> list:
@@ -64,18 +69,22 @@ def fits_every_feature(generation: str, head_dim: int, part: str, pair: tuple[in
 
 
 def measure_part(implementation: str, generation: str, head_dim: int, causal: bool, part: str,
-                 pair: tuple[int, int]) -> dict:
-    """One CSV row: ``part``'s estimated seconds at ``pair``, the other part at the generation's default."""
+                 pair: tuple[int, int], compute: int | None | str = "default") -> dict:
+    """One CSV row: ``part``'s estimated seconds at ``pair``, the other part at the generation's default;
+    the forward's compute block ``compute`` (None: the whole key block), by default the generation's."""
+    from torchattn import generations
     from torchattn.aot import Attention, schedule
     from torchattn.block_sizes import BlockSizes
 
     attention = Attention(batch=1, q_heads=32, kv_heads=8, q_len=SEQ_LEN, kv_len=SEQ_LEN, head_dim=head_dim,
                           causal=causal)
     default = attention.default_block_sizes(generation)
-    blocks = (BlockSizes(*pair, default.block_q_bwd, default.block_kv_bwd) if part == "forward"
-              else BlockSizes(default.block_q, default.block_kv, *pair))
+    if compute == "default":  # the generation's, whatever block_kv is tried
+        compute = generations.get(generation).kv_compute(head_dim)
+    blocks = (BlockSizes(*pair, default.block_q_bwd, default.block_kv_bwd, compute) if part == "forward"
+              else BlockSizes(default.block_q, default.block_kv, *pair, compute))
     row = {"generation": generation, "implementation": implementation, "head_dim": head_dim, "causal": causal,
-           "part": part, "block_q": pair[0], "block_kv": pair[1],
+           "part": part, "block_q": pair[0], "block_kv": pair[1], "block_kv_compute": blocks.block_kv_compute,
            "fits_every_feature": (fits_every_feature(generation, head_dim, part, pair)
                                   if implementation == "torchattn" else None)}
     try:
@@ -98,6 +107,50 @@ def search(implementation: str, generation: str, sizes=SIZES) -> list[dict]:
             rows.append(row)
             print(",".join(str(row.get(field, "")) for field in FIELDS), flush=True)
     return rows
+
+
+def search_compute(generation: str) -> list[dict]:
+    """The forward at each group's default blocks, per compute block (COMPUTE_SIZES no larger than block_kv, and
+    the whole block)."""
+    from torchattn import generations
+
+    chip, rows = generations.get(generation), []
+    for group, head_dims in HEAD_GROUPS.items():
+        pair = (chip.blocks if group == "narrow" else chip.blocks_wide_heads)[:2]
+        computes = [None] + [size for size in COMPUTE_SIZES if size < pair[1]]
+        for head_dim, causal, compute in itertools.product(head_dims, (False, True), computes):
+            row = {**measure_part("torchattn", generation, head_dim, causal, "forward", pair, compute),
+                   "heads_group": group}
+            rows.append(row)
+            print(",".join(str(row.get(field, "")) for field in FIELDS), flush=True)
+    return rows
+
+
+def compute_choices(rows: list[dict]) -> dict:
+    """heads group -> (the chosen compute block, {compute block: geometric mean seconds}); within TIE of the
+    fastest, the largest: no compute block unless one is more than TIE faster than the whole key block."""
+    choices = {}
+    for group in HEAD_GROUPS:
+        seconds = {}
+        for r in rows:
+            if r["heads_group"] == group and r["status"] == "ok":
+                seconds.setdefault(int(r["block_kv_compute"]), []).append(float(r["seconds"]))
+        if seconds:
+            means = {size: math.exp(sum(map(math.log, s)) / len(s)) for size, s in seconds.items()}
+            fastest = min(means.values())
+            choices[group] = max(size for size, mean in means.items() if mean <= (1 + TIE) * fastest), means
+    return choices
+
+
+def compute_summary(generation: str, rows: list[dict]) -> str:
+    lines = []
+    for group, (best, means) in compute_choices(rows).items():
+        whole = max(means)  # the key block itself
+        each = ", ".join(f"{size}: {mean * 1e6:.1f} µs" for size, mean in sorted(means.items()))
+        lines.append(f"torchattn {generation} {group} heads forward compute block: chosen {best} "
+                     f"{means[best] * 1e6:.1f} µs (geometric mean); the whole block ({whole}) "
+                     f"{means[whole] * 1e6:.1f} µs ({means[whole] / means[best]:.3f}x); {each}")
+    return "\n".join(lines)
 
 
 def best_pairs(rows: list[dict]) -> dict:
@@ -166,12 +219,19 @@ def main(argv=None) -> int:
     parser.add_argument("--implementation", nargs="+", default=["torchattn"], choices=IMPLEMENTATIONS)
     parser.add_argument("--sizes", type=int, nargs="+", default=SIZES, choices=SIZES,
                         help="the block sizes to pair (default: all)")
+    parser.add_argument("--compute", action="store_true",
+                        help="search the forward's compute block at the default blocks instead of block pairs")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
     args = parser.parse_args(argv)
     from torchattn.aot import schedule
 
     schedule.enable_dump()
     for generation in args.generation:
+        if args.compute:
+            rows = search_compute(generation)
+            write_csv(os.path.join(args.out_dir, f"blocks-{generation}-compute.csv"), rows)
+            print(compute_summary(generation, rows), flush=True)
+            continue
         rows = [row for implementation in args.implementation
                 for row in search(implementation, generation, args.sizes)]
         names = "-".join(name for name in args.implementation if name != "torchattn")

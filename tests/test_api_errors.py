@@ -353,6 +353,17 @@ def test_numpy_scalars_act_like_python_ones(name):
         assert torch.equal(g, w)
 
 
+def test_block_kv_compute_is_a_lane_multiple_and_at_most_the_key_block():
+    with pytest.raises(ValueError, match=r"BlockSizes\.block_kv_compute: expected a positive multiple of 128, got 200"):
+        torchattn.BlockSizes(8, 512, 8, 128, block_kv_compute=200)
+    assert torchattn.BlockSizes(8, 512, 8, 128).block_kv_compute == 512  # None: the whole key block
+    assert torchattn.BlockSizes(8, 256, 8, 128, block_kv_compute=1024) == torchattn.BlockSizes(8, 256, 8, 128)
+    assert torchattn.BlockSizes(8, 1024, 8, 128, block_kv_compute=256).clamped(16, 300).block_kv_compute == 256
+    want = "BlockSizes(block_q=8, block_kv=512, block_q_bwd=8, block_kv_bwd=128, block_kv_compute=256)"
+    assert repr(torchattn.BlockSizes(8, 512, 8, 128, 256)) == want
+    assert "compute" not in repr(torchattn.BlockSizes(8, 512, 8, 128))
+
+
 def test_numpy_block_sizes_equal_python_ones():
     sizes = torchattn.BlockSizes(np.int64(8), np.int64(128), np.int32(16), np.int64(128))
     assert sizes == torchattn.BlockSizes(8, 128, 16, 128)

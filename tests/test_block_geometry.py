@@ -101,6 +101,23 @@ def test_tile_full_iff_every_pair_is_visible(causal, window):
         assert (got == truth).all(), f"{g}: full\n{got.astype(int)}\nbrute force\n{truth.astype(int)}"
 
 
+def test_a_tile_on_the_diagonal_sees_exactly_its_lower_triangle():
+    """The forward's diagonal path (kernels/common.diagonal_pieces) computes a causal on_diagonal tile as its
+    lower triangle: one pair of it seen otherwise is a wrong output. Square blocks, the causal band."""
+    taken = 0
+    for q_len, kv_len, block in itertools.product(LENGTHS, LENGTHS, BLOCKS):
+        g = geometry(q_len, kv_len, block, block, True, None)
+        seen = pairs_seen(q_len, kv_len, True, None)
+        padded = np.zeros((-(-q_len // block) * block, -(-kv_len // block) * block), dtype=bool)
+        padded[:q_len, :kv_len] = seen
+        for q_block, kv_block in np.ndindex(padded.shape[0] // block, padded.shape[1] // block):
+            if g.on_diagonal(q_block, kv_block):
+                taken += 1
+                tile = padded[q_block * block:(q_block + 1) * block, kv_block * block:(kv_block + 1) * block]
+                assert (tile == np.tri(block, dtype=bool)).all(), (g, q_block, kv_block)
+    assert taken > 0
+
+
 @pytest.mark.parametrize("causal, window", MASKS, ids=MASK_IDS)
 def test_every_tile_full_only_when_every_pair_is_visible(causal, window):
     """Then the kernels drop the mask: one pair it wrongly calls visible is a wrong output."""

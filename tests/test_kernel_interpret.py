@@ -141,6 +141,21 @@ def test_causal_diagonal_tiles_take_the_diagonal_path(case, kernel_device):
                                                                               block_sizes=blocks, **kwargs))
 
 
+# A compute block inside the forward's key block (BlockSizes.block_kv_compute): 384 of 512 keys, then the last 128;
+# 128 of a 256-key diagonal tile's pieces.
+COMPUTE = [(Case(batch=1, q_len=300, kv_len=700, head_dim=64, segments="padding", bias="full", dropout_p=0.1),
+            torchattn.BlockSizes(128, 512, 128, 128, block_kv_compute=384)),
+           (Case(batch=1, q_len=512, kv_len=512, causal=True, softcap=20.0, dtype=torch.bfloat16),
+            torchattn.BlockSizes(256, 256, 256, 256, block_kv_compute=128))]
+
+
+@pytest.mark.parametrize("case, blocks", COMPUTE, ids=[str(case) for case, _ in COMPUTE])
+def test_a_compute_block_inside_the_key_block_matches_reference(case, blocks, kernel_device):
+    check_backend(case, BACKEND, device=kernel_device,
+                  attention=lambda *args, **kwargs: torchattn.flash_attention(*args, backend=BACKEND,
+                                                                              block_sizes=blocks, **kwargs))
+
+
 def test_lse_and_its_gradient(kernel_device):
     """lse matches the reference (-inf on rows that see nothing) and gradients flow through it."""
     torch.manual_seed(1)

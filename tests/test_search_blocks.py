@@ -68,3 +68,29 @@ def test_a_small_search_runs_end_to_end(tmp_path):
     for group in search_blocks.HEAD_GROUPS:
         for part in search_blocks.PARTS:
             assert f"torchattn v5e {group} heads {part}: chosen (512, 512)" in done.stdout
+
+
+def test_a_compute_block_is_chosen_only_when_more_than_the_tie_faster():
+    def rows(seconds_by_compute):
+        return [{**_row((1024, 1024), seconds * scale, causal=causal), "block_kv_compute": compute}
+                for compute, seconds in seconds_by_compute.items() for causal, scale in ((False, 1.0), (True, 0.5))]
+
+    faster = search_blocks.compute_summary("v6e", rows({1024: 1.0, 256: 0.9, 512: 1.2}))
+    assert "narrow heads forward compute block: chosen 256 " in faster
+    assert "(1.111x)" in faster  # the whole block's geometric mean over the chosen one's
+    tied = search_blocks.compute_summary("v6e", rows({1024: 1.0, 256: 1.0 - search_blocks.TIE / 2}))
+    assert "narrow heads forward compute block: chosen 1024 " in tied
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
+def test_the_default_compute_blocks_are_the_recorded_search_s_choice(generation):
+    """torchattn.generations' block_kv_compute per heads group is what docs/bench/blocks-<gen>-compute.csv chose
+    (None where the whole key block was)."""
+    from torchattn import generations
+
+    with open(os.path.join(ROOT, "docs", "bench", f"blocks-{generation}-compute.csv")) as f:
+        choices = search_blocks.compute_choices(list(csv.DictReader(f)))
+    chip = generations.get(generation)
+    for group, head_dim in (("narrow", 128), ("wide", 256)):
+        best, means = choices[group]
+        assert chip.kv_compute(head_dim) == (None if best == max(means) else best), group

@@ -100,7 +100,7 @@ def test_cache_file_is_written_and_read_back(device, cache_file, monkeypatch):
     torchattn.tune(q, k, v, candidates=[A, B], timer=fake_timer({A: 1.0, B: 2.0}), causal=True)
     written = json.loads(cache_file.read_text())
     assert [entry["block_sizes"] for entry in written["entries"]] == [
-        {"block_q": 128, "block_kv": 128, "block_q_bwd": 128, "block_kv_bwd": 128}]
+        {"block_q": 128, "block_kv": 128, "block_q_bwd": 128, "block_kv_bwd": 128, "block_kv_compute": 128}]
     assert written["entries"][0]["key"]["causal"] is True
     assert [p.name for p in cache_file.parent.iterdir()] == [cache_file.name]  # no temporary file left
     before = torchattn.tuned()

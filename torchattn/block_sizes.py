@@ -16,7 +16,7 @@ MULTIPLES = {"block_q": SUBLANES, "block_kv": LANES, "block_q_bwd": SUBLANES, "b
 CANDIDATE_SIZES = (128, 256, 512, 1024, 2048)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class BlockSizes:
     """Block sizes of the Pallas kernels (and of the ``xla`` backend's loop).
 
@@ -24,6 +24,10 @@ class BlockSizes:
     block_kv:     key rows per forward block, a multiple of 128.
     block_q_bwd:  query rows per backward block (dq and dk/dv kernels), a multiple of 8.
     block_kv_bwd: key rows per backward block, a multiple of 128.
+    block_kv_compute: keys the forward computes at a time inside its key block, a multiple of 128
+                  (a block's last piece may be shorter); None (or more than block_kv): the whole block.
+                  A large block with a small compute block keeps the DMA per step large and the
+                  float32 score tile small.
 
     Sequences are padded up to a multiple of the block size; padding is masked.
     A block longer than its sequence is clamped to the sequence rounded up to the
@@ -34,12 +38,23 @@ class BlockSizes:
     block_kv: int
     block_q_bwd: int
     block_kv_bwd: int
+    block_kv_compute: int | None = None
 
     def __post_init__(self):
         for name, multiple in MULTIPLES.items():
             _check_multiple(name, getattr(self, name), multiple)
+        if self.block_kv_compute is not None:
+            _check_multiple("block_kv_compute", self.block_kv_compute, LANES)
+        # None, or more than the block, is the whole block: one int, as the custom ops' schema takes it.
+        object.__setattr__(self, "block_kv_compute", min(self.block_kv_compute or self.block_kv, self.block_kv))
         for field in dataclasses.fields(self):  # NumPy integers become plain ints (hashable, JSON-able)
             object.__setattr__(self, field.name, int(getattr(self, field.name)))
+
+    def __repr__(self):  # the compute block only where it is not the whole key block
+        fields = [field.name for field in dataclasses.fields(self)]
+        if self.block_kv_compute == self.block_kv:
+            fields.remove("block_kv_compute")
+        return f"BlockSizes({', '.join(f'{name}={getattr(self, name)}' for name in fields)})"
 
     @classmethod
     def default(cls, q_len: int, kv_len: int, head_dim: int, generation: str | None = None) -> "BlockSizes":
@@ -54,7 +69,7 @@ class BlockSizes:
             from . import generations
 
             chip = generations.get(generation)
-            sizes = chip.blocks if head_dim <= 128 else chip.blocks_wide_heads
+            sizes = (chip.blocks if head_dim <= 128 else chip.blocks_wide_heads) + (chip.kv_compute(head_dim),)
         return cls(*sizes).clamped(q_len, kv_len)
 
     @classmethod
@@ -71,8 +86,10 @@ class BlockSizes:
         """These sizes, each no larger than its sequence rounded up to the tile multiple, so a
         short call is not padded to a long block (the result is the same, the work is not)."""
         q_max, kv_max = round_up(q_len, SUBLANES), round_up(kv_len, LANES)
-        return BlockSizes(block_q=min(self.block_q, q_max), block_kv=min(self.block_kv, kv_max),
-                          block_q_bwd=min(self.block_q_bwd, q_max), block_kv_bwd=min(self.block_kv_bwd, kv_max))
+        block_kv = min(self.block_kv, kv_max)
+        return BlockSizes(block_q=min(self.block_q, q_max), block_kv=block_kv,
+                          block_q_bwd=min(self.block_q_bwd, q_max), block_kv_bwd=min(self.block_kv_bwd, kv_max),
+                          block_kv_compute=self.block_kv_compute)
 
 
 def candidate_pairs(q_len: int, kv_len: int) -> list[tuple[int, int]]:

@@ -56,6 +56,14 @@ class Generation:
     mxu_probe_shape: tuple[int, int, int]  # (m, k, n) of the densest matmul-only kernel: see the module docstring
     mxu_macs_per_bundle: int  # its MACs per bundle, rounded up
     stacks: tuple[str, ...] = ("xla", "current")  # whose libtpu compiles for it (torchattn._versions.STACKS)
+    # Keys the forward computes at a time in its key block (BlockSizes.block_kv_compute), None: the whole block;
+    # for head_dim <= 128 and for larger heads, `scripts/search_blocks.py --compute` (blocks-<name>-compute.csv).
+    block_kv_compute: int | None = None
+    block_kv_compute_wide_heads: int | None = None
+
+    def kv_compute(self, head_dim: int) -> int | None:
+        """The default BlockSizes.block_kv_compute at ``head_dim``."""
+        return self.block_kv_compute if head_dim <= 128 else self.block_kv_compute_wide_heads
 
     @property
     def clock_hz(self) -> float:
@@ -86,7 +94,8 @@ GENERATIONS = {
                    tensorcores=2, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=91_648),
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(1024, 1024, 1024, 2048), blocks_wide_heads=(1024, 1024, 1024, 2048),
-                   tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744),
+                   tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744,
+                   block_kv_compute=256),
         # v7x (Ironwood; Google Cloud's figures, its 7.37 TB/s from Google's announcement): a compile-only device
         # is one of a chip's two TensorCores, as on v4 (8 for the 4 chips of tpu7x:2x2x1; libtpu 0.0.52 allocates
         # 94.74 GiB of each 96); 64 MiB of VMEM per core (the compiler's report), like v5p's, so the same 48 MiB
@@ -95,7 +104,7 @@ GENERATIONS = {
         Generation("v7x", "TPU7x", "tpu7x:2x2x1", 2307e12, 7370e9, 192 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(1024, 1024, 1024, 1024), blocks_wide_heads=(1024, 1024, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(1024, 1024, 512), mxu_macs_per_bundle=464_020,
-                   stacks=("current",)),
+                   stacks=("current",), block_kv_compute=256, block_kv_compute_wide_heads=256),
     )
 }
 

@@ -164,6 +164,9 @@ def _search(request, backend: str, seconds: Callable[[BlockSizes], float]) -> Bl
         if not forward_pairs or not backward_pairs:
             raise ValueError(f"head_dim: expected one at which some candidate block sizes fit the VMEM of "
                              f"TPU {generation}, got {request.head_dim}")
-    forward = min(forward_pairs, key=lambda pair: seconds(BlockSizes(*pair, start.block_q_bwd, start.block_kv_bwd)))
-    backward = min(backward_pairs, key=lambda pair: seconds(BlockSizes(*forward, *pair)))
-    return BlockSizes(*forward, *backward)
+    # The generation's compute block (None: the whole block), whatever block_kv is tried.
+    compute = None if generation is None else generations.get(generation).kv_compute(request.head_dim)
+    forward = min(forward_pairs,
+                  key=lambda pair: seconds(BlockSizes(*pair, start.block_q_bwd, start.block_kv_bwd, compute)))
+    backward = min(backward_pairs, key=lambda pair: seconds(BlockSizes(*forward, *pair, compute)))
+    return BlockSizes(*forward, *backward, compute)

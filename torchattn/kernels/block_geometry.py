@@ -102,7 +102,8 @@ class BlockGeometry:
         """Whether the tile is square on the diagonal with no padding: its query i (local) sits at key i (local). On
         a causal band (no left side) such a tile's query i sees exactly keys 0..i of it. Operators only."""
         q_start, kv_start = q_block * self.block_q, kv_block * self.block_kv
-        return ((q_start + (self.kv_len - self.q_len) == kv_start) & (q_start + self.block_q <= self.q_len)
+        # Square and aligned, the tile ends in the last query row or earlier exactly when it does in the last key.
+        return ((self.block_q == self.block_kv) & (q_start + (self.kv_len - self.q_len) == kv_start)
                 & (kv_start + self.block_kv <= self.kv_len))
 
     def fetched_kv_block(self, q_block, kv_block, xp):

@@ -56,14 +56,21 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
                                  preferred_element_type=jnp.float32)
         acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, acc_ref.shape[1]) + pv
 
+    def computed(masked: bool, rows=slice(0, None), stop=spec.block_kv):
+        """``update`` over the keys 0..stop of the tile, at most BlockSizes.block_kv_compute at a time: a
+        (block_q, block_kv_compute) float32 score tile stays small where a whole large block would not."""
+        step = spec.options.block_sizes.block_kv_compute
+        for start in range(0, stop, step):
+            update(masked, rows, slice(start, min(start + step, stop)))
+
     def tile(masked: bool):
-        update(masked)
+        computed(masked)
 
     def diagonal_tile():
         """A causal diagonal tile (common.diagonal_pieces): query piece r takes key pieces 0..r."""
         size = spec.block_q // diagonal_pieces(spec)
         for piece in range(diagonal_pieces(spec)):
-            update(True, slice(piece * size, (piece + 1) * size), slice(0, (piece + 1) * size))
+            computed(True, slice(piece * size, (piece + 1) * size), (piece + 1) * size)
 
     tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref).visible(q_block, kv_block, jnp), tile,
                diagonal_tile if diagonal_pieces(spec) else None)

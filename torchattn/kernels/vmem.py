@@ -207,7 +207,7 @@ def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockS
     backward = shrink(block_sizes.block_q_bwd, block_sizes.block_kv_bwd, KERNELS[1:])
     if forward is None or backward is None:
         return None
-    return BlockSizes(*forward, *backward)
+    return BlockSizes(*forward, *backward, block_sizes.block_kv_compute)
 
 
 def check_fits(generation: str, operands: Operands, block_sizes: BlockSizes) -> None:

@@ -118,24 +118,26 @@ def test_tiles_inside_the_band_take_the_mask_free_path(kwargs, kernel_device):
         torch.testing.assert_close(got_grad.cpu(), want.float(), atol=5e-5, rtol=1e-4, msg=f"d{name}")
 
 
-# Causal, square blocks of 256 on the diagonal (kv_len - q_len a block multiple): the forward's diagonal tiles
-# take the diagonal path (two row pieces of 128, each computing only the key pieces it sees), with the features
-# that read a tile's piece: segment ids, a bias (full and broadcast), softcap, dropout (its hash per element), in
-# float32 and bfloat16.
+# Causal, square blocks of 256 on the diagonal (kv_len - q_len a block multiple): the diagonal tiles take the
+# diagonal path (two row pieces of 128, each computing only the key pieces it sees), in the forward and in both
+# backwards, with the features that read a tile's piece: segment ids, a bias (full and broadcast) and its
+# gradient, softcap, dropout (its hash per element), in float32 and bfloat16.
 DIAGONAL = [Case(batch=1, q_len=512, kv_len=768, head_dim=64, causal=True, bias="full", dropout_p=0.1),
             Case(batch=1, q_heads=4, kv_heads=2, q_len=512, kv_len=512, causal=True, segments="packed", softcap=20.0,
                  bias="broadcast", dtype=torch.bfloat16)]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("case", DIAGONAL, ids=str)
-def test_causal_diagonal_tiles_take_the_diagonal_path(case, kernel_device):
+def test_causal_diagonal_tiles_take_the_diagonal_path(case, fused, kernel_device, monkeypatch):
     blocks = torchattn.BlockSizes(block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256)
     attention = Attention(batch=case.batch, q_heads=case.q_heads, kv_heads=case.kv_heads, q_len=case.q_len,
                           kv_len=case.kv_len, head_dim=case.head_dim, causal=True, segments=case.segments is not None,
                           bias=case.bias, softcap=case.softcap, dropout_p=case.dropout_p)
-    forward_spec, _ = attention.specs(blocks, None)
-    assert common.diagonal_pieces(forward_spec) == 2
-    assert common.paths(forward_spec, diagonal=True) == (common.MASK_FREE, common.DIAGONAL)
+    for spec in attention.specs(blocks, None):
+        assert common.diagonal_pieces(spec) == 2
+        assert common.paths(spec) == (common.MASK_FREE, common.DIAGONAL)
+    monkeypatch.setattr(backward, "fused", lambda spec: fused)
     check_backend(case, BACKEND, device=kernel_device,
                   attention=lambda *args, **kwargs: torchattn.flash_attention(*args, backend=BACKEND,
                                                                               block_sizes=blocks, **kwargs))

@@ -240,24 +240,22 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
                               useful_flops=2.0 * matmuls * pairs * attention.head_dim,
-                              path_steps=_path_steps(spec, spec.score_grad and name in WRITES_DS,
-                                                     diagonal=name == "forward")))
+                              path_steps=_path_steps(spec, spec.score_grad and name in WRITES_DS)))
     return kernels
 
 
 WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
-def _path_steps(spec, zeroed_skips: bool, diagonal: bool = False) -> tuple[int, ...]:
+def _path_steps(spec, zeroed_skips: bool) -> tuple[int, ...]:
     """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles,
-    masked ones, and with ``diagonal`` (the forward) the causal diagonal's), then, when ``zeroed_skips`` (a kernel
-    writing ds), the skipped tiles whose ds is zeroed; () for a kernel with one path and nothing else predicated
-    per step."""
+    masked ones, the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds), the skipped tiles
+    whose ds is zeroed; () for a kernel with one path and nothing else predicated per step."""
     import numpy as np
 
     from ..kernels import common
 
-    kinds = common.tile_kinds(spec, diagonal)
+    kinds = common.tile_kinds(spec)
     if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips:
         return ()
     visible = np.logical_or.reduce(list(kinds.values()))

@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .. import generations
-from . import arguments, vmem
-from .common import (LOG2E, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
+from . import arguments, common, vmem
+from .common import (LOG2E, WHOLE, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
                      pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import dkv_cost, dq_cost, fused_cost
 
@@ -56,6 +56,21 @@ def _untransposed(spec, acc):
     return acc.T if spec.transposed_gradients else acc
 
 
+def _diagonal(spec, tile, ds_ref):
+    """The diagonal path of a kernel whose ``tile(masked, rows, cols)`` computes a piece of a tile: query piece r
+    takes key pieces 0..r (common.diagonal_pieces); ds, where written, is zero right of them."""
+    def diagonal_tile():
+        pieces = common.diagonal_pieces(spec)
+        size = spec.block_q // pieces
+        for piece in range(pieces):
+            rows, seen = slice(piece * size, (piece + 1) * size), (piece + 1) * size
+            tile(True, rows, slice(0, seen))
+            if ds_ref is not None and seen < spec.block_kv:
+                ds_ref[rows, seen:] = jnp.zeros((size, spec.block_kv - seen), jnp.float32)
+
+    return diagonal_tile
+
+
 def _zero_skipped_ds(ds_ref, visible):
     """Every ds block is written: a skipped tile's score gradient is zero."""
     @pl.when(jnp.logical_not(visible))
@@ -63,28 +78,31 @@ def _zero_skipped_ds(ds_ref, visible):
         ds_ref[...] = jnp.zeros(ds_ref.shape, jnp.float32)
 
 
-def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked):
-    """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile.
+def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked, piece=WHOLE):
+    """Shared by both kernels: (p with dropout applied, ds, dlogits) of one tile, or of its ``piece`` (rows,
+    columns: static slices, the diagonal path's; common.block_scores).
 
-    ``inputs``: the kernel's input refs by name (kernels/arguments.py); q, k, do: their blocks,
-    loaded by the caller, which uses them again; ``masked``: False on a full tile (common.tile_paths).
+    ``inputs``: the kernel's input refs by name (kernels/arguments.py); q, k, do: their blocks (the piece's rows
+    and keys), loaded by the caller, which uses them again; ``masked``: False on a full tile (common.tile_paths).
 
     ds is the gradient of the logits after softcap and bias (= dbias); dlogits
     the gradient of the scaled q k^T, i.e. ds times the softcap derivative.
     """
     # (block_q, block_kv): each row's lse (in base 2, as the scores: common.block_scores) and delta, held in all
     # 128 lanes, repeated as whole vregs.
-    lse = lanes(inputs["lse"][...] * LOG2E, k.shape[0])
-    delta = lanes(inputs["delta"][...], k.shape[0])
+    rows, cols = piece
+    lse = lanes(inputs["lse"][rows, :] * LOG2E, k.shape[0])
+    delta = lanes(inputs["delta"][rows, :], k.shape[0])
     # q times common.score_factor: (block_q, head_dim) multiplies instead of (block_q, block_kv); q itself stays for dk.
     q_scaled = (q.astype(jnp.float32) * score_factor(spec.options)).astype(q.dtype)
-    s, keep, capped = block_scores(spec, key_ref, inputs, q_scaled, k, q_block, kv_block, masked, prescaled=True)
+    s, keep, capped = block_scores(spec, key_ref, inputs, q_scaled, k, q_block, kv_block, masked, prescaled=True,
+                                   piece=piece)
     p = jnp.exp2(s - lse)  # (block_q, block_kv)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)  # lse is not -inf where keep
-    dp = _dot(do, inputs["v"][...], _NT)
+    dp = _dot(do, inputs["v"][cols, :], _NT)
     if spec.options.dropout_p > 0.0:
-        scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape)
+        scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape, first=(rows.start, cols.start))
         p_used, dp = p * scale, dp * scale
     else:
         p_used = p
@@ -104,18 +122,18 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
-    def tile(masked: bool):
-        k = inputs["k"][...]
+    def tile(masked: bool, rows=slice(0, None), cols=slice(0, None)):
+        k = inputs["k"][cols, :]
         _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
-                                         inputs["q"][...], k, inputs["do"][...], masked)
+                                         inputs["q"][rows, :], k, inputs["do"][rows, :], masked, (rows, cols))
         if spec.transposed_gradients:  # dq^T (head_dim, block_q)
-            dq_acc[...] += _dot(k, dlogits.astype(k.dtype), _TT) * spec.options.scale
+            dq_acc[:, rows] += _dot(k, dlogits.astype(k.dtype), _TT) * spec.options.scale
         else:
-            dq_acc[...] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
+            dq_acc[rows, :] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
         if with_ds:
-            ds_ref[...] = ds
+            ds_ref[rows, cols] = ds
 
-    tile_paths(spec, key_ref, q_block, kv_block, visible, tile)
+    tile_paths(spec, key_ref, q_block, kv_block, visible, tile, _diagonal(spec, tile, ds_ref))
 
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
@@ -142,22 +160,23 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
 
     visible = spec.geometry(key_ref).visible(q_block, kv_block, jnp)
 
-    def tile(masked: bool):
-        q, k, do = inputs["q"][...], inputs["k"][...], inputs["do"][...]
-        p, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked)
+    def tile(masked: bool, rows=slice(0, None), cols=slice(0, None)):
+        q, k, do = inputs["q"][rows, :], inputs["k"][cols, :], inputs["do"][rows, :]
+        p, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k, do, masked,
+                                         (rows, cols))
         dlogits = dlogits.astype(q.dtype)
         if spec.transposed_gradients:  # dv^T, dk^T (head_dim, block_kv)
-            dv_acc[...] += _dot(do, p.astype(do.dtype), _TN)
-            dk_acc[...] += _dot(q, dlogits, _TN) * spec.options.scale
+            dv_acc[:, cols] += _dot(do, p.astype(do.dtype), _TN)
+            dk_acc[:, cols] += _dot(q, dlogits, _TN) * spec.options.scale
         else:
-            dv_acc[...] += _dot(p.astype(do.dtype), do, _TN)
-            dk_acc[...] += _dot(dlogits, q, _TN) * spec.options.scale
+            dv_acc[cols, :] += _dot(p.astype(do.dtype), do, _TN)
+            dk_acc[cols, :] += _dot(dlogits, q, _TN) * spec.options.scale
         if fused:
-            dq_ref[...] = _dot(dlogits, k, _NN) * spec.options.scale
+            dq_ref[rows, :] = _dot(dlogits, k, _NN) * spec.options.scale
         if with_ds:
-            ds_ref[...] = ds
+            ds_ref[rows, cols] = ds
 
-    tile_paths(spec, key_ref, q_block, kv_block, visible, tile)
+    tile_paths(spec, key_ref, q_block, kv_block, visible, tile, _diagonal(spec, tile, ds_ref))
 
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)

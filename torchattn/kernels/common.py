@@ -143,8 +143,11 @@ def score_factor(options) -> float:
     return options.scale * LOG2E if options.softcap is None else options.scale / options.softcap
 
 
+WHOLE = (slice(0, None), slice(0, None))  # a tile's (rows, columns): all of it
+
+
 def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_block, masked: bool,
-                 prescaled: bool = False, piece: tuple[slice, slice] = (slice(0, None), slice(0, None))):
+                 prescaled: bool = False, piece: tuple[slice, slice] = WHOLE):
     """Scores (in base 2: :data:`LOG2E` times the logits) and visibility of one (block_q, block_kv) tile.
 
     inputs: the kernel's input refs by name (kernels/arguments.py): the segment ids' blocks, (block_q, LANES)
@@ -210,14 +213,14 @@ def diagonal_pieces(spec: KernelSpec) -> int:
     return next((pieces for pieces in (4, 2) if spec.block_q % (pieces * LANES) == 0), 0)
 
 
-def tile_kinds(spec: KernelSpec, diagonal: bool = False) -> dict:
+def tile_kinds(spec: KernelSpec) -> dict:
     """{path: bool (q blocks, kv blocks), the tiles on it}, the paths in program order, as the kernels build them
     (:func:`tile_paths`), on the host: mask-free for full tiles (every pair visible by the band and the lengths,
     BlockGeometry.full: no band or padding mask; segment ids, which are data, still compared), masked for the
-    other visible ones, and with ``diagonal`` (a kernel that has the path) the causal diagonal's tiles
-    (:func:`diagonal_pieces`) apart from the masked. A path no tile takes is not built. A sequence shard's tiles
-    depend on its offsets (data): with a band or padding, the mask-free and the masked paths are both built (the
-    tiles reported on each are the last shard's, spec.blocks)."""
+    other visible ones but the causal diagonal's, where the call has them (:func:`diagonal_pieces`). A path no
+    tile takes is not built. A sequence shard's tiles depend on its offsets (data): with a band or padding,
+    the mask-free and the masked paths are both built (the tiles reported on each are the last shard's,
+    spec.blocks)."""
     import numpy as np
 
     q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
@@ -227,21 +230,21 @@ def tile_kinds(spec: KernelSpec, diagonal: bool = False) -> dict:
     full = np.broadcast_to(spec.blocks.full(q_block, kv_block), q_block.shape) & visible
     if spec.sequence_shard:  # both paths, the tiles of the last shard (spec.blocks) on each
         return {MASK_FREE: full, MASKED: visible & ~full}
-    on_diagonal = visible & spec.blocks.on_diagonal(q_block, kv_block) if diagonal and diagonal_pieces(spec) else \
+    on_diagonal = visible & spec.blocks.on_diagonal(q_block, kv_block) if diagonal_pieces(spec) else \
         np.zeros_like(visible)
     kinds = {MASK_FREE: full, MASKED: visible & ~full & ~on_diagonal, DIAGONAL: on_diagonal}
     return {path: tiles for path, tiles in kinds.items() if tiles.any()}
 
 
-def paths(spec: KernelSpec, diagonal: bool = False) -> tuple[str, ...]:
+def paths(spec: KernelSpec) -> tuple[str, ...]:
     """The tile paths the kernels of ``spec`` build, in program order (:func:`tile_kinds`)."""
-    return tuple(tile_kinds(spec, diagonal))
+    return tuple(tile_kinds(spec))
 
 
-def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile, diagonal_tile=None) -> None:
-    """Runs ``tile(masked)`` on a visible tile, on the path :func:`paths` gives it; ``diagonal_tile()`` (a kernel
-    that has the diagonal path) on a causal diagonal tile."""
-    built = paths(spec, diagonal=diagonal_tile is not None)
+def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile, diagonal_tile) -> None:
+    """Runs ``tile(masked)`` on a visible tile, on the path :func:`paths` gives it, and ``diagonal_tile()`` on a
+    causal diagonal tile."""
+    built = paths(spec)
     if len(built) == 1 and built[0] != DIAGONAL:
         pl.when(visible)(lambda: tile(masked=built[0] == MASKED))
         return

@@ -73,7 +73,7 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
             computed(True, slice(piece * size, (piece + 1) * size), (piece + 1) * size)
 
     tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref).visible(q_block, kv_block, jnp), tile,
-               diagonal_tile if diagonal_pieces(spec) else None)
+               diagonal_tile)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)
     def _finish():

@@ -92,8 +92,11 @@ GENERATIONS = {
         Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 95 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(512, 512, 1024, 1024), blocks_wide_heads=(512, 512, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=91_648),
+        # v6e's blocks: re-searched on the current stack with the diagonal path and the compute block, between
+        # 1024 and 2048 (docs/bench/current/blocks-v6e.csv): forward 2048 x 2048 (1.111x, wide heads 1.041x),
+        # the narrow heads' backward 1024 x 1024 (1.017x: square blocks take the causal diagonal path).
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
-                   blocks=(1024, 1024, 1024, 2048), blocks_wide_heads=(1024, 1024, 1024, 2048),
+                   blocks=(2048, 2048, 1024, 1024), blocks_wide_heads=(2048, 2048, 1024, 2048),
                    tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744,
                    block_kv_compute=256),
         # v7x (Ironwood; Google Cloud's figures, its 7.37 TB/s from Google's announcement): a compile-only device

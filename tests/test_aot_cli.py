@@ -133,6 +133,20 @@ def test_schedule_prints_each_kernels_compiler_estimates():
         assert 0 < float(row["est_frac_peak"]) <= 1, row
 
 
+def test_v7x_schedule_prints_share_of_peak_and_bound_unit_with_the_error_bar():
+    if "v7x" not in generations.compile_targets():
+        pytest.skip("libtpu 0.0.21 does not compile for v7x: runs in .venv-current")
+    result = run_cli("--schedule", "--generation", "v7x", "--q-heads", "2", "--seq-len", "1024", "--head-dim", "128")
+    assert result.returncode == 0, result.stderr
+    assert "1.43-1.48x" in result.stdout and "Ironwood" in result.stdout
+    rows = table(result.stdout)
+    assert [row["kernel"] for row in rows] == ["forward", "backward_fused", "dq_reduction"]
+    for row in rows:
+        assert row["bound_unit"] in {"MXU", "XLU", "VALU", "EUP", "LOAD", "STORE", "SALU"}, row
+        # the dq reduction is an XLA sum: no matrix work, 0 of the peak
+        assert 0 < float(row["est_frac_peak"]) <= 1 or row["kernel"] == "dq_reduction", row
+
+
 def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason(capsys):
     result = run_main(capsys, "--generation", "v4", *LLAMA_8K, "--block-q", "2048", "--block-kv", "1024")
     assert_one_line_failure(result, "v4", "VMEM")

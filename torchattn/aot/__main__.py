@@ -168,6 +168,11 @@ SCHEDULE_NOTE = ("Compiler estimates from libtpu's static schedule (bundles per 
                  "max(step bundles / clock, step DMA / HBM bandwidth) + rows x once-per-row bundles / clock), "
                  "not TPU timings.")
 
+# What a generation's estimates were checked against (docs/performance.md, "The schedule's error bar").
+ERROR_BARS = {"v7x": ("v7x: the estimates ran 1.43-1.48x the measured times of Tokamax's published Ironwood forward "
+                      "rows (six rows): absolute times and shares of peak there are about 1.46x pessimistic; ratios "
+                      "between kernels compiled the same way are not.")}
+
 HEADER = ["generation", "kernel", "block_q", "block_kv", "compile_s", "vmem_limit_MiB", "vmem_est_MiB",
           "hbm_args_MiB", "hbm_out_MiB", "hbm_temp_MiB", "GFLOP"]
 
@@ -217,6 +222,8 @@ def main(argv=None) -> int:
         print(describe(attention))
         if args.schedule:
             print(SCHEDULE_NOTE)
+            for generation in sorted({row[0] for row in body} & set(ERROR_BARS)):
+                print(ERROR_BARS[generation])
         print(format_table(SCHEDULE_HEADER if args.schedule else HEADER, body))
     for failure in failures:
         print(failure, file=sys.stderr)

@@ -103,7 +103,9 @@ def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
         order = _balanced_order(q_len)
         if order is not None:
             pos = pos.index_select(1, torch.argsort(order).to(pos.device))
-        ids = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1).cumsum(-1).to(torch.int32)
+        # cumsum with its dtype given: torch_xla 2.9 keeps a bool input's dtype, and the count wraps past 255
+        # (the 256th document of a row would join the first; checked, torch gives int64).
+        ids = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1).cumsum(-1, dtype=torch.int32)
         if order is not None:
             ids = ids.index_select(1, order.to(pos.device))
         return MaskArguments(segment_ids=ids, kv_segment_ids=ids)

@@ -63,6 +63,19 @@ def save_tiny_causal_lm(folder: str, config_class: type, **fields) -> str:
     return folder
 
 
+def save_tiny_classifier(base: str, folder: str, labels: list[str]) -> str:
+    """The model saved in ``base`` (save_tiny_bert, save_tiny_causal_lm) with a random sequence-classification
+    head for ``labels``, as ``python -m train`` saves a classifier; every weight drawn from N(0, 0.3), wider than
+    transformers' default (std 0.02 gives near-uniform probabilities, which would hide a wrong hidden state)."""
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(
+        base, num_labels=len(labels), id2label=dict(enumerate(labels)), label2id={n: i for i, n in enumerate(labels)})
+    for parameter in model.parameters():
+        parameter.data.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(base).save_pretrained(folder)
+    return folder
+
+
 def documents(count: int, seed: int = 0) -> list[tuple[str, str]]:
     """``count`` distinct (text, topic) pairs; a third of them long (over 64 tokens)."""
     rng = random.Random(seed)

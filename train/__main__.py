@@ -7,6 +7,7 @@
                                                       # (default on a host with several: fsdp over all)
     python -m train --compile-only v5e                # HBM per TPU chip of one step, compiled here
     python -m train --help                            # every flag
+    python -m train predict --model runs/x/model --input articles/ --output labels.jsonl  # inference (train/predict/)
 
 A bad input stops before any training step with one line on stderr and exit status 2.
 SIGTERM or Ctrl-C finishes the step in flight, writes a checkpoint, prints how to resume
@@ -39,6 +40,11 @@ def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> i
 
 
 def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["predict"]:  # inference over a collection: its own command (train/predict/)
+        from .predict.cli import main as predict
+
+        return predict(argv[1:])
     from .config import ConfigError, parse_args
 
     try:

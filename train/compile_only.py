@@ -194,20 +194,26 @@ def _bytes_per_chip(tensor: torch.Tensor, spmd) -> int:
 def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
     """The run's model (models.build_model, as training builds it) without weights: parameters are
     placeholders on the XLA device."""
-    import torch_xla
-
     from . import models
 
     model = models.build_model(model_config, model=config.model.name, task=config.run.task, attn=attn,
                                backend=config.model.backend, dropout=config.model.dropout,
                                grad_checkpointing=config.model.grad_checkpointing, weights=None)
+    return with_placeholders(model).train()
+
+
+def with_placeholders(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (models.build_model without weights: parameters on the meta device) with every parameter a
+    placeholder on the XLA device, tied ones still tied, and its buffers moved there."""
+    import torch_xla
+
     placed = {}  # id of a meta parameter -> its placeholder parameter; tied weights stay tied
     for module in model.modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
             if id(parameter) not in placed:
                 placed[id(parameter)] = torch.nn.Parameter(_placeholder(parameter), parameter.requires_grad)
             module.register_parameter(name, placed[id(parameter)])
-    return model.to(torch_xla.device()).train()  # moves the buffers
+    return model.to(torch_xla.device())  # moves the buffers
 
 
 def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spmd=None) -> None:

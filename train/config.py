@@ -121,7 +121,8 @@ class Data(_Group):
     """The documents, their split and their batches."""
 
     dataset: str = _doc("built-in name (bbc-news, sotu), a .csv/.json/.jsonl/.parquet file, a folder with one "
-                        "sub-folder of .txt files per label, or a hub id", default="bbc-news")
+                        "sub-folder of .txt files per label (or of .txt files alone: no labels), or a hub id",
+                        default="bbc-news")
     text_column: str | None = _doc("column holding the text (default: the dataset's own, else 'text')",
                                    default=None)
     label_column: str | None = _doc("column holding the label (default: the dataset's own, else 'label')",
@@ -493,7 +494,7 @@ RECIPES: dict[str, dict[str, Any]] = {name: read_config_file(os.path.join(RECIPE
                                       for name in RECIPE_NAMES}
 
 
-class _Parser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (no usage dump) raised as ConfigError."""
 
     def error(self, message):
@@ -501,7 +502,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m train", description=(
+    parser = Parser(prog="python -m train", description=(
         "Fine-tune a Hugging Face model with torchattn on the XLA device that exists (TPU, else XLA:CPU). "
         "With no arguments: recipe bbc-topics, MiniLM classifying BBC News topics."),
         epilog="Precedence: defaults < --recipe < --config FILE < flags; with --resume the run's saved "

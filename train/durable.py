@@ -41,6 +41,10 @@ class _Recording:
     def flush(self) -> None:
         self.file.flush()
 
+    @property
+    def closed(self) -> bool:  # pyarrow's writers (a Parquet output) ask before writing
+        return self.file.closed
+
 
 def write_file(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Calls ``write(f)`` with a binary file object (write and flush) and makes what it wrote the file

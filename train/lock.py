@@ -25,10 +25,11 @@ class LockedError(RuntimeError):
 
 
 class RunLock:
-    def __init__(self, output_dir: str):
-        """Takes the lock of ``output_dir`` (which must exist) without waiting. ``previous`` is the pid of
-        a run that held it and died (a stale lock taken over), or None."""
-        self.path = os.path.join(output_dir, FILE)
+    def __init__(self, output_dir: str, *, file: str = FILE, flag: str = "--output-dir"):
+        """Takes the lock of ``output_dir`` (which must exist) without waiting: the file ``file`` in it (one per
+        process of a ``python -m train predict`` on a pod, which share an output folder). ``previous`` is the pid
+        of a run that held it and died (a stale lock taken over), or None. ``flag`` names the folder in errors."""
+        self.path = os.path.join(output_dir, file)
         while True:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -36,7 +37,7 @@ class RunLock:
             except BlockingIOError:
                 holder = _read_pid(self._fd)
                 os.close(self._fd)
-                raise LockedError(f"--output-dir: {output_dir} is in use by another run (pid {holder or 'unknown'}, "
+                raise LockedError(f"{flag}: {output_dir} is in use by another run (pid {holder or 'unknown'}, "
                                   f"lock {self.path}); wait for it to end or pick another folder") from None
             if _same_file(self._fd, self.path):
                 break

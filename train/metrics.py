@@ -41,34 +41,29 @@ class MetricsFile:
         durable.write_text(self.path, "".join(json.dumps(record) + "\n" for record in kept))  # all or nothing
 
 
-class Progress:
-    """A one-line progress bar on a terminal; otherwise a plain log line per logged step
-    (a file or CI log gets no carriage returns)."""
+class Bar:
+    """A one-line bar on a terminal, redrawn at most every 0.2 s, and messages on lines of their own below it
+    (the training run's and python -m train predict's)."""
 
     WIDTH = 24
 
-    def __init__(self, total_steps: int, stream=None, quiet: bool = False):
-        self.total = total_steps
-        self.stream = open(os.devnull, "w") if quiet else stream or sys.stdout
+    def __init__(self, stream):
+        self.stream = stream
         self.tty = self.stream.isatty()
         self._last_draw = 0.0
         self._open_line = False
 
-    def update(self, step: int, *, loss: float | None, tokens_per_s: float, step_time: float, compiles: int):
-        """Called after every optimizer step; ``loss`` is None on steps that are not logged."""
-        text = (f"step {step}/{self.total}" + (f" loss {loss:.4f}" if loss is not None else "")
-                + f" {tokens_per_s:,.0f} tok/s {step_time:.2f} s/step compiles {compiles}")
-        if self.tty:
-            now = time.monotonic()
-            if now - self._last_draw < 0.2 and step != self.total:
-                return
-            self._last_draw = now
-            done = int(self.WIDTH * step / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * done}{'.' * (self.WIDTH - done)}] {text}\033[K")
-            self._open_line = True
-            self.stream.flush()
-        elif loss is not None:
-            self.line(text)
+    def draw(self, done: int, total: int, text: str, force: bool = False) -> None:
+        """The bar at ``done`` of ``total`` with ``text`` beside it; skipped within 0.2 s of the last unless
+        ``force``."""
+        now = time.monotonic()
+        if now - self._last_draw < 0.2 and not force:
+            return
+        self._last_draw = now
+        filled = int(self.WIDTH * done / max(total, 1))
+        self.stream.write(f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] {text}\033[K")
+        self._open_line = True
+        self.stream.flush()
 
     def line(self, text: str) -> None:
         """A message on a line of its own (below the bar on a terminal)."""
@@ -77,6 +72,24 @@ class Progress:
             self._open_line = False
         self.stream.write(text + "\n")
         self.stream.flush()
+
+
+class Progress(Bar):
+    """A one-line progress bar on a terminal; otherwise a plain log line per logged step
+    (a file or CI log gets no carriage returns)."""
+
+    def __init__(self, total_steps: int, stream=None, quiet: bool = False):
+        super().__init__(open(os.devnull, "w") if quiet else stream or sys.stdout)
+        self.total = total_steps
+
+    def update(self, step: int, *, loss: float | None, tokens_per_s: float, step_time: float, compiles: int):
+        """Called after every optimizer step; ``loss`` is None on steps that are not logged."""
+        text = (f"step {step}/{self.total}" + (f" loss {loss:.4f}" if loss is not None else "")
+                + f" {tokens_per_s:,.0f} tok/s {step_time:.2f} s/step compiles {compiles}")
+        if self.tty:
+            self.draw(step, self.total, text, force=step == self.total)
+        elif loss is not None:
+            self.line(text)
 
 
 def plot_loss(records: list[dict], path: str, plot_eval: Callable[[Any, list[dict]], None]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 
 import torch
 
@@ -95,7 +96,7 @@ def _walk(operation):
 # ---------------------------------------------------------------------------
 # Compiling for TPU on a machine without one (torchattn.aot): libtpu's compile-only
 # client compiles jax functions through public jax API; a torch_xla graph arrives as
-# StableHLO text, which only the client's own compile method takes.
+# StableHLO text, which goes through jax's private compile call (no public API takes text).
 
 
 def compile_stablehlo(text: str, devices: tuple):
@@ -107,14 +108,15 @@ def compile_stablehlo(text: str, devices: tuple):
     from jax._src.lib import xla_client
     from jax._src.lib.mlir import ir
 
-    with mlir.make_ir_context():
-        module = ir.Module.parse(text)
-        bytecode = mlir.module_to_bytecode(module)
-    options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices),
-                                           use_spmd_partitioning=len(devices) > 1)
+    # jax 0.7's signature takes use_spmd_partitioning; jax 0.10's always sets it (a no-op on one device).
+    spmd = ({"use_spmd_partitioning": len(devices) > 1}
+            if "use_spmd_partitioning" in inspect.signature(compiler.get_compile_options).parameters else {})
+    options = compiler.get_compile_options(num_replicas=1, num_partitions=len(devices), **spmd)
     if len(devices) > 1:
         options.executable_build_options.allow_spmd_sharding_propagation_to_output = [True]
-    return devices[0].client.compile(bytecode, xla_client.DeviceList(tuple(devices)), options)
+    with mlir.make_ir_context():  # jax's own compile call: the client's signature differs between 0.7 and 0.10
+        return compiler.backend_compile_and_load(devices[0].client, ir.Module.parse(text),
+                                                 xla_client.DeviceList(tuple(devices)), options, [])
 
 
 # ---------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ import torch
 import transformers
 
 import train_tiny
+from torchattn import generations
 from train.__main__ import main
 from train.predict.documents import share
 
@@ -69,7 +71,20 @@ def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, 
     assert "1 row of 256 tokens (4 documents of 64 each) per chip of v5e" in out, out
     row = next(line.split() for line in out.splitlines() if line.startswith("torchattn"))
     assert row[1] == "256" and float(row[5]) > 0 and row[6] == "yes" and row[8] == "2", row  # a kernel per layer
-    assert "no compiler estimate for a whole step" in out
+    estimate = re.search(r"time per step, at least: ([\d.e+-]+) ms \((compute|HBM)-bound roofline of the compiler's "
+                         r"cost analysis: ([\d.e+-]+) GFLOP, ([\d.e+-]+) GB of HBM; .*\); per chip at most ([\d,]+) "
+                         r"documents/s", out)
+    assert estimate, out
+    chip = generations.get("v5e")
+    ms, bound, gflop, gb, documents = estimate.groups()
+    compute, memory = float(gflop) * 1e9 / chip.peak_bf16_flops, float(gb) * 1e9 / chip.hbm_bytes_per_s
+    assert float(ms) / 1e3 == pytest.approx(max(compute, memory), rel=0.01)
+    assert bound == ("compute" if compute > memory else "HBM")
+    assert int(documents.replace(",", "")) == pytest.approx(4 / (float(ms) / 1e3), rel=0.01)
+    # at least the layers' matmuls: 2 FLOPs per token and weight of the query, output and MLP projections
+    config = transformers.AutoConfig.from_pretrained(llama)
+    per_layer = 2 * config.hidden_size ** 2 + 3 * config.hidden_size * config.intermediate_size
+    assert float(gflop) * 1e9 >= 2 * 256 * per_layer * config.num_hidden_layers
     assert main(["predict", "--model", llama, "--compile-only", "v7x"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--compile-only: generation: v7x needs libtpu 0.0.52 of the current stack" \

@@ -74,6 +74,12 @@ class Work:
         """FLOPs per HBM byte."""
         return self.flops / self.bytes_accessed
 
+    def seconds(self, generation: str) -> tuple[float, str]:
+        """(the least time this work takes on a chip of ``generation``, what bounds it: "compute" or "HBM")."""
+        chip = generations.get(generation)
+        compute, memory = self.flops / chip.peak_bf16_flops, self.bytes_accessed / chip.hbm_bytes_per_s
+        return (compute, "compute") if compute >= memory else (memory, "HBM")
+
 
 def kernel_work(attention: Attention, block_sizes: BlockSizes, generation: str, *,
                 pad_head_dim: bool = True) -> dict[str, Work]:

@@ -89,6 +89,8 @@ class Row:
     error: str = ""
     layers: int = 0
     extrapolated_from: str = ""  # "2,4": bytes extrapolated linearly from those layer counts, not compiled
+    flops: float = 0.0  # the compiler's cost analysis of the step (a Pallas kernel counts its cost_estimate)
+    bytes_accessed: float = 0.0  # HBM bytes, by the same analysis
 
 
 def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capacity: int) -> Row:
@@ -288,7 +290,8 @@ def compile_row(text: str, donated: int, target: Target, attn: str, length: int)
     return Row(attn, length, True, argument_bytes=compiled.argument_bytes, temp_bytes=compiled.temp_bytes,
                output_bytes=fresh_outputs,
                total_bytes=compiled.argument_bytes + compiled.temp_bytes + fresh_outputs,
-               compile_s=compiled.seconds, tpu_custom_calls=calls)
+               compile_s=compiled.seconds, tpu_custom_calls=calls, flops=compiled.flops,
+               bytes_accessed=compiled.bytes_accessed)
 
 
 def _compiled(model_config, config: RunConfig, target: Target, attn: str, length: int, layers: int) -> Row:

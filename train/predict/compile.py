@@ -1,5 +1,5 @@
-"""python -m train predict --compile-only GENERATION: HBM per TPU chip of one predict step, from the TPU
-compiler, with nothing predicted and no TPU (train/compile_only.py's machinery: placeholders for the
+"""python -m train predict --compile-only GENERATION: HBM per TPU chip of one predict step and the least time it
+takes, from the TPU compiler, with nothing predicted and no TPU (train/compile_only.py's machinery: placeholders for the
 weights, torchattn's kernels as the chip's ``tpu_custom_call``s, libtpu's compile-only client).
 
     python -m train predict --model minilm --batch-tokens 2048 --compile-only v5e
@@ -7,13 +7,15 @@ weights, torchattn's kernels as the chip's ``tpu_custom_call``s, libtpu's compil
 The step is the one a run takes on each chip: --rows-per-device packed rows of --batch-tokens tokens
 (documents of --max-length tokens laid whole), the model's forward and the task's per-token outputs, float32.
 
-No time estimate is given. torchattn.aot.schedule estimates a Pallas kernel from libtpu's VLIW schedule,
-but a whole step is hundreds of XLA programs besides the kernels, and its schedule dump does not add up:
-libtpu compiles identical programs once (the kernel of every layer, like fusions) and the top-level
-program's calls name the HLO instruction, not the program they run, so how often each dumped program
-runs is not in the dump; and libtpu 0.0.21's files (this stack's) do not say where branches inside an XLA
-fusion's loop go, which torchattn.aot.schedule_dump needs to count their trips (it reads them from libtpu
-0.0.52's only, a stack without torch_xla). docs/predict.md gives the figures.
+The time per step is the roofline of the compiler's cost analysis of the compiled step: max(its FLOPs / the
+chip's peak, its HBM bytes / the chip's bandwidth) (torchattn.roofline.Work; the step's matmuls are bf16 passes:
+torch_xla asks for DEFAULT precision). It is a lower bound on the time, so the documents/s it gives is an upper
+bound. It is not a schedule estimate: torchattn.aot.schedule estimates a Pallas kernel from libtpu's VLIW
+schedule, but a whole step is hundreds of XLA programs besides the kernels, and its schedule dump does not add
+up: libtpu compiles identical programs once (the kernel of every layer, like fusions) and the top-level
+program's calls name the HLO instruction, not the program they run, so how often each dumped program runs is
+not in the dump (docs/predict.md). The compiler's own ``optimal_seconds`` is not used: libtpu 0.0.21 reports it
+negative for these steps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import gc
 import numpy as np
 import torch
 
-from torchattn import devices, generations
+from torchattn import devices, generations, roofline
 
 from .. import compile_only, models
 from ..config import ConfigError
@@ -32,13 +34,11 @@ from . import heads, windows
 from .config import PredictConfig, lengths
 from .runner import documents_mask, is_causal
 
-NO_TIME_ESTIMATE = ("time per row: no compiler estimate for a whole step (libtpu's schedule dump does not say how "
-                    "often each of its programs runs; train/predict/compile.py)")
-
 
 def run(config: PredictConfig) -> int:
-    """Compiles the step, prints its HBM per chip; exit status 0. ConfigError for a topology or generation this
-    environment's libtpu does not compile for, ModelError for a model without the task's head."""
+    """Compiles the step, prints its HBM per chip and its time's roofline; exit status 0. ConfigError for a
+    topology or generation this environment's libtpu does not compile for, ModelError for a model without the
+    task's head."""
     target = compile_only.resolve_target(config.compile_only)
     try:
         generations.compile_target(target.generation)
@@ -67,8 +67,18 @@ def run(config: PredictConfig) -> int:
     row.layers = layers
     print("\n".join(compile_only.table_lines([row])))
     print(compile_only.fitting([row], target))
-    print(NO_TIME_ESTIMATE)
+    print(_time_estimate(row, target.generation, rows * per_row, rows * batch_tokens))
     return 0
+
+
+def _time_estimate(row: compile_only.Row, generation: str, documents: int, tokens: int) -> str:
+    """The step's roofline and the documents/s and tokens/s per chip it bounds."""
+    if not row.fits:
+        return "time per step: none (the step does not fit)"
+    seconds, bound = roofline.Work(row.flops, row.bytes_accessed).seconds(generation)
+    return (f"time per step, at least: {seconds * 1e3:.3g} ms ({bound}-bound roofline of the compiler's cost analysis: "
+            f"{row.flops / 1e9:.3g} GFLOP, {row.bytes_accessed / 1e9:.3g} GB of HBM; a compiler estimate and a lower "
+            f"bound); per chip at most {documents / seconds:,.0f} documents/s, {tokens / seconds:,.0f} tokens/s")
 
 
 def _step_graph(model_config, config: PredictConfig, task: str, head_class, max_length: int, batch_tokens: int,

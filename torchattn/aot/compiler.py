@@ -88,8 +88,18 @@ def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1
                       topology: str | None = None) -> Compiled:
     """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``; with
     ``partitions`` > 1, an SPMD program (torch_xla under SPMD) for that many chips of ``topology``
-    (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice)."""
-    generations.compile_target(generation)  # refuses a generation this environment does not compile for
+    (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice). On one chip of a
+    generation only the checkout's other environment compiles for (v7x from .venv), that environment
+    compiles it (:mod:`.other_stack`; the result has no executable)."""
+    try:
+        generations.compile_target(generation)
+    except ValueError:  # a generation this environment does not compile for: the other one may (.other_stack)
+        from . import other_stack
+
+        python = other_stack.python_compiling(generation) if partitions == 1 and topology is None else None
+        if python is None:
+            raise
+        return other_stack.compile_stablehlo(text, generation, name, python)
     chips = topology_devices(topology) if topology is not None else slice_devices(generation)
     if not 1 <= partitions <= len(chips):
         raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of the compile-only slice "

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from torchattn import devices, generations, roofline
+from torchattn.aot import other_stack
 
 from .. import compile_only, models
 from ..config import ConfigError
@@ -42,8 +43,10 @@ def run(config: PredictConfig) -> int:
     target = compile_only.resolve_target(config.compile_only)
     try:
         generations.compile_target(target.generation)
-    except ValueError as error:  # v7x needs the current stack's libtpu
-        raise ConfigError(f"--compile-only: {error}") from None
+    except ValueError as error:  # v7x needs the current stack's libtpu: its environment compiles, if it is there
+        if other_stack.python_compiling(target.generation) is None or target.chips > 1:
+            raise ConfigError(f"--compile-only: {error}; with that environment installed, this one traces the "
+                              f"step and it compiles it (one chip)") from None
     model_config, where, load = models.pretrained_config(config.model)
     task = config.task or heads.default_task(model_config)
     head_class = heads.head_class(task)
@@ -72,13 +75,17 @@ def run(config: PredictConfig) -> int:
 
 
 def _time_estimate(row: compile_only.Row, generation: str, documents: int, tokens: int) -> str:
-    """The step's roofline and the documents/s and tokens/s per chip it bounds."""
+    """The step's roofline on one device and the documents/s and tokens/s per chip it bounds (a chip of v4 or
+    v7x is two devices, each running the step on its own share of the chip's peak and bandwidth)."""
     if not row.fits:
-        return "time per step: none (the step does not fit)"
-    seconds, bound = roofline.Work(row.flops, row.bytes_accessed).seconds(generation)
-    return (f"time per step, at least: {seconds * 1e3:.3g} ms ({bound}-bound roofline of the compiler's cost analysis: "
-            f"{row.flops / 1e9:.3g} GFLOP, {row.bytes_accessed / 1e9:.3g} GB of HBM; a compiler estimate and a lower "
-            f"bound); per chip at most {documents / seconds:,.0f} documents/s, {tokens / seconds:,.0f} tokens/s")
+        return f"time per step: none (the step {'does not fit' if row.error == 'does not fit' else 'did not compile'})"
+    devices = generations.get(generation).devices_per_chip
+    seconds, bound = roofline.Work(row.flops * devices, row.bytes_accessed * devices).seconds(generation)
+    where = f" on one of a chip's {devices} devices" if devices > 1 else ""
+    return (f"time per step, at least: {seconds * 1e3:.3g} ms{where} ({bound}-bound roofline of the compiler's cost "
+            f"analysis: {row.flops / 1e9:.3g} GFLOP, {row.bytes_accessed / 1e9:.3g} GB of HBM; a compiler estimate "
+            f"and a lower bound); per chip at most {devices * documents / seconds:,.0f} documents/s, "
+            f"{devices * tokens / seconds:,.0f} tokens/s")
 
 
 def _step_graph(model_config, config: PredictConfig, task: str, head_class, max_length: int, batch_tokens: int,

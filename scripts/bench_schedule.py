@@ -20,7 +20,8 @@ with its fused backward at its own default blocks, 512 everywhere (clamped to th
 segment ids or softcap. Batch 1, bfloat16. The estimates carry the method's error bar (docs/performance.md).
 
 Grid: v5e, v6e and v7x: head_dim 64, 128, 256; causal and not; with and without packed segment ids;
-2048, 8192 and 32768 tokens; 32 query heads over 8 kv heads, and MHA (32 and 32). v4 and v5p:
+2048, 8192 and 32768 tokens; 32 query heads over 8 kv heads, and MHA (32 and 32); and 131072 tokens for
+causal 32/8 heads. v4 and v5p:
 head_dim 128, 8192 tokens, 32/8 heads, causal and not. ``--quick``: 2048 tokens, head_dim 128, MHA
 not causal and GQA causal with segment ids. Blocks: each generation's defaults
 (``BlockSizes.default``) unless ``--blocks``.
@@ -77,7 +78,8 @@ class Config:
                 + " seg" * self.segments)
 
 
-HEAD_DIMS, SEQ_LENS = (64, 128, 256), (2048, 8192, 32768)
+HEAD_DIMS, SEQ_LENS = (64, 128, 256), (2048, 8192, 32768, 131072)
+LONGEST = 131072  # only causal GQA runs this long: the calls long-context training makes
 
 
 def grid(generation: str, quick: bool, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS) -> list[Config]:
@@ -89,7 +91,8 @@ def grid(generation: str, quick: bool, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS) -
         return [Config(generation, 32, 8, 8192, 128, causal, False) for causal in (False, True)]
     return [Config(generation, q_heads, kv_heads, seq_len, head_dim, causal, segments)
             for head_dim, seq_len, (q_heads, kv_heads), causal, segments in itertools.product(
-                head_dims, seq_lens, ((32, 8), (32, 32)), (False, True), (False, True))]
+                head_dims, seq_lens, ((32, 8), (32, 32)), (False, True), (False, True))
+            if seq_len < LONGEST or (causal and q_heads != kv_heads)]
 
 
 def builders(attention, generation: str, blocks) -> dict:

@@ -22,7 +22,12 @@ on the same representative calls: docs/bench/blocks-<gen>-compute.csv, the chose
 
 ``--implementation splash splash-fused`` runs the same search for JAX's splash attention (its split and
 its fused backward) at head_dim 128, so that each kernel can be compared at its own best blocks
-(docs/performance.md).
+(docs/performance.md); ``tokamax`` (.venv-current) Tokamax's splash, its compute block torchattn's.
+
+``--best-forward`` compares the forwards alone, each at its own best: torchattn, JAX's splash and Tokamax's
+splash at every pair of SIZES and, torchattn and Tokamax, every compute block (COMPUTE_SIZES smaller than the
+key block, and the whole block), at head_dim 128 and 256: docs/bench/blocks-<gen>-best-forward.csv, and per call
+each kernel's fastest and torchattn's ÷ the best other's.
 """
 
 from __future__ import annotations
@@ -42,16 +47,24 @@ SEQ_LEN = 8192
 TIE = 0.01
 HEAD_GROUPS = {"narrow": (64, 128), "wide": (256,)}  # generations.Generation.blocks and .blocks_wide_heads
 PARTS = {"forward": ("forward",), "backward": ("backward_fused", "dq_reduction", "backward_dq", "backward_dkv")}
-IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused")
+IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused", "tokamax")
+BEST_FORWARD = ("torchattn", "splash", "tokamax")  # --best-forward: the forwards compared at their own best blocks
 FIELDS = ("generation", "implementation", "heads_group", "head_dim", "causal", "part", "block_q", "block_kv",
           "block_kv_compute", "fits_every_feature", "status", "seconds", "step_bundles")
 
 
-def kernels(implementation: str, attention, generation: str, blocks) -> list:
+def kernels(implementation: str, attention, generation: str, blocks, part: str) -> list:
     from torchattn.aot import jax_kernels, schedule
 
     if implementation == "torchattn":
         return schedule.torchattn_kernels(attention, generation, blocks)
+    if implementation == "tokamax":  # in .venv-current only
+        from torchattn.aot import tokamax_kernels
+
+        if part == "forward":
+            return [tokamax_kernels.forward_kernel(attention, generation, blocks,
+                                                   block_kv_compute=blocks.block_kv_compute)]
+        return tokamax_kernels.backward_kernels(attention, generation, blocks)
     return jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=implementation == "splash-fused")
 
 
@@ -88,7 +101,7 @@ def measure_part(implementation: str, generation: str, head_dim: int, causal: bo
            "fits_every_feature": (fits_every_feature(generation, head_dim, part, pair)
                                   if implementation == "torchattn" else None)}
     try:
-        chosen = [k for k in kernels(implementation, attention, generation, blocks) if k.name in PARTS[part]]
+        chosen = [k for k in kernels(implementation, attention, generation, blocks, part) if k.name in PARTS[part]]
         estimates = schedule.measure(chosen, generation)
     except (RuntimeError, ValueError) as error:  # the VMEM refusal, compile errors
         return {**row, "status": f"refused: {str(error).splitlines()[0]}"}
@@ -124,6 +137,41 @@ def search_compute(generation: str) -> list[dict]:
             rows.append(row)
             print(",".join(str(row.get(field, "")) for field in FIELDS), flush=True)
     return rows
+
+
+def search_best_forward(generation: str, sizes=SIZES) -> list[dict]:
+    """BEST_FORWARD's forwards at every pair of ``sizes`` and, those with one, every compute block smaller than the
+    key block (and the whole block), on the representative calls at head_dim 128 and 256 (heads_group "d128",
+    "d256"): each kernel's own best blocks, as a kernel tuned for the call would run."""
+    rows = []
+    for implementation, head_dim, causal, pair in itertools.product(BEST_FORWARD, (128, 256), (False, True),
+                                                                    itertools.product(sizes, sizes)):
+        computes = [None] + [size for size in COMPUTE_SIZES if size < pair[1]] * (implementation != "splash")
+        for compute in computes:
+            row = {**measure_part(implementation, generation, head_dim, causal, "forward", pair, compute),
+                   "heads_group": f"d{head_dim}"}
+            rows.append(row)
+            print(",".join(str(row.get(field, "")) for field in FIELDS), flush=True)
+    return rows
+
+
+def best_forward_summary(generation: str, rows: list[dict]) -> str:
+    """Per call, each kernel's fastest forward (blocks and compute block), and torchattn's ÷ the best other's."""
+    best = {}
+    for r in rows:
+        key = (r["head_dim"], r["causal"], r["implementation"])
+        if r["status"] == "ok" and (key not in best or r["seconds"] < best[key]["seconds"]):
+            best[key] = r
+    lines = []
+    for head_dim, causal in itertools.product((128, 256), (False, True)):
+        found = {name: best[(head_dim, causal, name)] for name in BEST_FORWARD if (head_dim, causal, name) in best}
+        each = "; ".join(f"{name} {r['seconds'] * 1e6:.0f} µs at ({r['block_q']}, {r['block_kv']}, "
+                         f"compute {r['block_kv_compute'] or 'whole'})" for name, r in found.items())
+        others = [r["seconds"] for name, r in found.items() if name != "torchattn"]
+        ratio = (f"{found['torchattn']['seconds'] / min(others):.3f}x the best other's best"
+                 if "torchattn" in found and others else "not comparable")
+        lines.append(f"{generation} d{head_dim} 8k 32/8{' causal' * causal}: {each}: torchattn {ratio}")
+    return "\n".join(lines)
 
 
 def compute_choices(rows: list[dict]) -> dict:
@@ -221,12 +269,20 @@ def main(argv=None) -> int:
                         help="the block sizes to pair (default: all)")
     parser.add_argument("--compute", action="store_true",
                         help="search the forward's compute block at the default blocks instead of block pairs")
+    parser.add_argument("--best-forward", action="store_true",
+                        help="compare the forwards of torchattn, JAX's splash and Tokamax (.venv-current) at each "
+                             "one's own best blocks and compute block, head_dim 128 and 256")
     parser.add_argument("--out-dir", default=os.path.join(ROOT, "docs", "bench"))
     args = parser.parse_args(argv)
     from torchattn.aot import schedule
 
     schedule.enable_dump()
     for generation in args.generation:
+        if args.best_forward:
+            rows = search_best_forward(generation, args.sizes)
+            write_csv(os.path.join(args.out_dir, f"blocks-{generation}-best-forward.csv"), rows)
+            print(best_forward_summary(generation, rows), flush=True)
+            continue
         if args.compute:
             rows = search_compute(generation)
             write_csv(os.path.join(args.out_dir, f"blocks-{generation}-compute.csv"), rows)

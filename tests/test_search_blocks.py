@@ -94,3 +94,20 @@ def test_the_default_compute_blocks_are_the_recorded_search_s_choice(generation)
     for group, head_dim in (("narrow", 128), ("wide", 256)):
         best, means = choices[group]
         assert chip.kv_compute(head_dim) == (None if best == max(means) else best), group
+
+
+def test_best_forward_compares_each_kernel_s_fastest_row_per_call():
+    def row(implementation, seconds, pair, compute=None, head_dim=128, causal=False, status="ok"):
+        return {"implementation": implementation, "head_dim": head_dim, "causal": causal, "block_q": pair[0],
+                "block_kv": pair[1], "block_kv_compute": compute, "status": status, "seconds": seconds}
+
+    rows = [row("torchattn", 3e-3, (1024, 1024)), row("torchattn", 2e-3, (2048, 2048), 256),
+            row("torchattn", 1e-3, (2048, 1024), status="refused: too large"),
+            row("splash", 4e-3, (1024, 2048)), row("tokamax", 2.5e-3, (2048, 2048), 512),
+            row("tokamax", 2e-3, (1024, 1024), head_dim=256), row("torchattn", 3e-3, (1024, 1024), head_dim=256)]
+    lines = search_blocks.best_forward_summary("v6e", rows).splitlines()
+    assert lines[0] == ("v6e d128 8k 32/8: torchattn 2000 µs at (2048, 2048, compute 256); splash 4000 µs at "
+                        "(1024, 2048, compute whole); tokamax 2500 µs at (2048, 2048, compute 512): torchattn 0.800x "
+                        "the best other's best")
+    assert lines[2].endswith("torchattn 1.500x the best other's best")
+    assert lines[1].endswith("not comparable")  # no causal rows

@@ -146,7 +146,9 @@ def search_best_forward(generation: str, sizes=SIZES) -> list[dict]:
     rows = []
     for implementation, head_dim, causal, pair in itertools.product(BEST_FORWARD, (128, 256), (False, True),
                                                                     itertools.product(sizes, sizes)):
-        computes = [None] + [size for size in COMPUTE_SIZES if size < pair[1]] * (implementation != "splash")
+        computes = [None]  # JAX's splash has no compute block
+        if implementation != "splash":
+            computes += [size for size in COMPUTE_SIZES if size < pair[1]]
         for compute in computes:
             row = {**measure_part(implementation, generation, head_dim, causal, "forward", pair, compute),
                    "heads_group": f"d{head_dim}"}

@@ -226,17 +226,22 @@ def test_generation_table_matches_the_compiler(generation):
     assert int(found[1]) == chip.vmem_bytes
 
 
+def _stablehlo_step():
+    """(a jax function, its argument structs, its StableHLO text): a matmul and a reduction."""
+    def step(x, w):
+        return jnp.tanh(x @ w).sum(axis=0)
+
+    structs = [jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((256, 384), jnp.float32)]
+    return step, structs, jax.jit(step).lower(*structs).as_text()
+
+
 @pytest.mark.parametrize("generation", GENERATIONS[-1:])
 def test_a_stablehlo_program_compiles_as_its_jax_function(generation):
     # torch_xla's graphs reach libtpu as StableHLO text (train --compile-only); the call into jax's compiler that
     # takes text is private and changed between this project's two stacks (jax 0.7 and 0.10).
     from torchattn.aot import compile_stablehlo
 
-    def step(x, w):
-        return jnp.tanh(x @ w).sum(axis=0)
-
-    structs = [jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((256, 384), jnp.float32)]
-    text = jax.jit(step).lower(*structs).as_text()
+    step, structs, text = _stablehlo_step()
     from_text, from_jax = compile_stablehlo(text, generation, "text"), compile_jax(step, structs, generation, "jax")
     assert from_text.flops == from_jax.flops > 2 * 512 * 256 * 384 - 1
     assert (from_text.argument_bytes, from_text.output_bytes) == (from_jax.argument_bytes, from_jax.output_bytes)
@@ -249,22 +254,27 @@ def test_the_other_environment_compiles_stablehlo_as_this_one(tmp_path, monkeypa
     from torchattn.aot import compile_stablehlo, other_stack
 
     generation = GENERATIONS[-1]
-    structs = [jax.ShapeDtypeStruct((512, 256), jnp.float32), jax.ShapeDtypeStruct((256, 384), jnp.float32)]
-    text = jax.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=0)).lower(*structs).as_text()
+    _, _, text = _stablehlo_step()
     there = other_stack.compile_stablehlo(text, generation, "there", sys.executable)
     here = compile_stablehlo(text, generation, "here")
     assert (there.flops, there.temp_bytes, there.argument_bytes) == (here.flops, here.temp_bytes, here.argument_bytes)
     with pytest.raises(RuntimeError, match="no-such-generation|generation"):
         other_stack.compile_stablehlo(text, "no-such-generation", "bad", sys.executable)
 
-    # Which Python compiles a generation this environment's libtpu refuses (.venv: v7x): the other stack's, once
-    # installed; none for one compiled here.
+    # Where a generation this environment's libtpu refuses (.venv: v7x) compiles: in the other stack's
+    # environment, once installed, and only on one chip; a generation compiled here, here.
     monkeypatch.setattr(other_stack, "ROOT", tmp_path)
     assert other_stack.python_compiling(generation) is None
+    assert other_stack.compiler_for(generation, one_chip=False) is None
     for other in set(generations.GENERATIONS) - set(generations.compile_targets()):
         venv = tmp_path / _versions.VENVS[generations.get(other).stacks[0]]
         (venv / "bin").mkdir(parents=True, exist_ok=True)
         (venv / "bin" / "python").touch()
         assert other_stack.python_compiling(other) is None  # not finished installing
+        with pytest.raises(ValueError, match=f"generation: {other} needs libtpu .*; once it is installed"):
+            other_stack.compiler_for(other, one_chip=True)
         (venv / _versions.INSTALL_STAMP).touch()
-        assert other_stack.python_compiling(other) == str(venv / "bin" / "python")
+        assert other_stack.python_compiling(other) == other_stack.compiler_for(other, one_chip=True) \
+            == str(venv / "bin" / "python")
+        with pytest.raises(ValueError, match=f"generation: {other} needs"):
+            other_stack.compiler_for(other, one_chip=False)

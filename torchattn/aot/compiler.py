@@ -91,14 +91,10 @@ def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1
     (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice). On one chip of a
     generation only the checkout's other environment compiles for (v7x from .venv), that environment
     compiles it (:mod:`.other_stack`; the result has no executable)."""
-    try:
-        generations.compile_target(generation)
-    except ValueError:  # a generation this environment does not compile for: the other one may (.other_stack)
-        from . import other_stack
+    from . import other_stack
 
-        python = other_stack.python_compiling(generation) if partitions == 1 and topology is None else None
-        if python is None:
-            raise
+    python = other_stack.compiler_for(generation, one_chip=partitions == 1 and topology is None)
+    if python is not None:
         return other_stack.compile_stablehlo(text, generation, name, python)
     chips = topology_devices(topology) if topology is not None else slice_devices(generation)
     if not 1 <= partitions <= len(chips):

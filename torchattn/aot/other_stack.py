@@ -27,12 +27,27 @@ ROOT = Path(__file__).resolve().parents[2]
 def python_compiling(generation: str) -> str | None:
     """The Python of the environment whose libtpu compiles ``generation``, when that is not this one and
     scripts/env.sh has finished installing it (its stamp); None otherwise."""
-    stack = generations.get(generation).stacks[0]
-    if _versions.installed_stack() in generations.get(generation).stacks:
+    stacks = generations.get(generation).stacks
+    if _versions.installed_stack() in stacks:
         return None
-    venv = ROOT / _versions.VENVS[stack]
+    venv = ROOT / _versions.VENVS[stacks[0]]
     python = venv / "bin" / "python"
     return str(python) if (venv / _versions.INSTALL_STAMP).is_file() and python.is_file() else None
+
+
+def compiler_for(generation: str, one_chip: bool) -> str | None:
+    """Where a StableHLO program for ``generation`` compiles: None, here; the other environment's Python, for a
+    program on ``one_chip`` of a generation only that environment's libtpu compiles; otherwise ValueError
+    (generations.compile_target's, which names the environment to use)."""
+    try:
+        generations.compile_target(generation)
+        return None
+    except ValueError as error:
+        python = python_compiling(generation) if one_chip else None
+        if python is None:
+            raise ValueError(f"{error}; once it is installed, a program for one chip traced here compiles "
+                             f"there") from None
+        return python
 
 
 def compile_stablehlo(text: str, generation: str, name: str, python: str) -> Compiled:

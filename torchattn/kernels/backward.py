@@ -31,18 +31,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .. import generations
 from . import arguments, common, vmem
-from .common import (LOG2E, WHOLE, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
-                     pallas_function, q_grid_coords, score_factor, tile_paths)
+from .common import (LOG2E, NN, NT, TN, TT, WHOLE, KernelSpec, block_scores, block_spec, block_specs, dot,
+                     dropout_scale, lanes, pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import dkv_cost, dq_cost, fused_cost
-
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
-_TT = (((0,), (1,)), ((), ()))  # a.T @ b.T
-
-
-def _dot(a, b, dims):
-    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
 def _accumulator(spec, rows: int) -> tuple[int, int]:
@@ -100,7 +91,7 @@ def _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs, q, k,
     p = jnp.exp2(s - lse)  # (block_q, block_kv)
     if keep is not None:
         p = jnp.where(keep, p, 0.0)  # lse is not -inf where keep
-    dp = _dot(do, inputs["v"][cols, :], _NT)
+    dp = dot(do, inputs["v"][cols, :], NT)
     if spec.options.dropout_p > 0.0:
         scale = dropout_scale(spec, key_ref, batch, head, q_block, kv_block, s.shape, first=(rows.start, cols.start))
         p_used, dp = p * scale, dp * scale
@@ -127,9 +118,9 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
         _, ds, dlogits = _tile_gradients(spec, key_ref, batch, head, q_block, kv_block, inputs,
                                          inputs["q"][rows, :], k, inputs["do"][rows, :], masked, (rows, cols))
         if spec.transposed_gradients:  # dq^T (head_dim, block_q)
-            dq_acc[:, rows] += _dot(k, dlogits.astype(k.dtype), _TT) * spec.options.scale
+            dq_acc[:, rows] += dot(k, dlogits.astype(k.dtype), TT) * spec.options.scale
         else:
-            dq_acc[rows, :] += _dot(dlogits.astype(k.dtype), k, _NN) * spec.options.scale
+            dq_acc[rows, :] += dot(dlogits.astype(k.dtype), k, NN) * spec.options.scale
         if with_ds:
             ds_ref[rows, cols] = ds
 
@@ -166,13 +157,13 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
                                          (rows, cols))
         dlogits = dlogits.astype(q.dtype)
         if spec.transposed_gradients:  # dv^T, dk^T (head_dim, block_kv)
-            dv_acc[:, cols] += _dot(do, p.astype(do.dtype), _TN)
-            dk_acc[:, cols] += _dot(q, dlogits, _TN) * spec.options.scale
+            dv_acc[:, cols] += dot(do, p.astype(do.dtype), TN)
+            dk_acc[:, cols] += dot(q, dlogits, TN) * spec.options.scale
         else:
-            dv_acc[cols, :] += _dot(p.astype(do.dtype), do, _TN)
-            dk_acc[cols, :] += _dot(dlogits, q, _TN) * spec.options.scale
+            dv_acc[cols, :] += dot(p.astype(do.dtype), do, TN)
+            dk_acc[cols, :] += dot(dlogits, q, TN) * spec.options.scale
         if fused:
-            dq_ref[rows, :] = _dot(dlogits, k, _NN) * spec.options.scale
+            dq_ref[rows, :] = dot(dlogits, k, NN) * spec.options.scale
         if with_ds:
             ds_ref[rows, cols] = ds
 

@@ -145,6 +145,17 @@ def score_factor(options) -> float:
 
 WHOLE = (slice(0, None), slice(0, None))  # a tile's (rows, columns): all of it
 
+# dot_general's dimension numbers for the kernels' matmuls of 2-D tiles.
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+TN = (((0,), (0,)), ((), ()))  # a.T @ b
+TT = (((0,), (1,)), ((), ()))  # a.T @ b.T
+
+
+def dot(a, b, dims):
+    """A matmul of two tiles on the MXU, accumulated and returned in float32."""
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
 
 def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_block, masked: bool,
                  prescaled: bool = False, piece: tuple[slice, slice] = WHOLE):
@@ -160,7 +171,7 @@ def block_scores(spec: KernelSpec, key_ref, inputs: dict, q, k, q_block, kv_bloc
     None when nothing is masked, capped tanh or None); the tanh is kept for the softcap gradient.
     """
     bq, bkv = q.shape[0], k.shape[0]
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = dot(q, k, NT)
     options = spec.options
     capped = None
     if not prescaled:

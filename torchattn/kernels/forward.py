@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .. import generations
 from ..tiling import LANES
 from . import arguments
-from .common import (LN2, KernelSpec, block_scores, block_spec, block_specs, dropout_scale, lanes,
+from .common import (LN2, NN, KernelSpec, block_scores, block_spec, block_specs, dot, dropout_scale, lanes,
                      diagonal_pieces, pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import forward_cost
 
@@ -36,10 +36,6 @@ def row_sum_on_mxu(spec: KernelSpec) -> bool:
     chip = spec.options.generation and generations.get(spec.options.generation)
     return bool(chip) and (chip.mxu_columns == 2 * LANES and spec.head_dim == LANES and spec.dtype == "bfloat16"
                            and spec.options.dropout_p == 0.0)
-
-
-def _dot(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def forward_kernel(key_ref, *refs, spec: KernelSpec):
@@ -76,10 +72,10 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         v = inputs["v"][cols, :]
         if sum_on_mxu:  # one pass of p over (v | ones): pv, and each row's sum of p in all 128 lanes
             ones = jnp.ones((v.shape[0], LANES), v.dtype)
-            both = _dot(p.astype(v.dtype), jnp.concatenate([v, ones], axis=1))
+            both = dot(p.astype(v.dtype), jnp.concatenate([v, ones], axis=1), NN)
             pv, row_sum = both[:, :LANES], both[:, LANES:]
         else:
-            pv = _dot(p.astype(v.dtype), v)
+            pv = dot(p.astype(v.dtype), v, NN)
         l_ref[rows, :] = alpha * l_prev + row_sum
         acc_ref[rows, :] = acc_ref[rows, :] * lanes(alpha, acc_ref.shape[1]) + pv
 

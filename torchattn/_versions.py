@@ -24,7 +24,7 @@ import warnings
 # names pin them (tests/test_versions.py compares).
 STACKS = {
     "xla": {"torch": "2.9.0", "torch_xla": "2.9.0", "jax": "0.7.1", "jaxlib": "0.7.1", "libtpu": "0.0.21"},
-    "current": {"torch": "2.14.1", "torch_tpu": "0.2.0", "jax": "0.10.2", "jaxlib": "0.10.2", "libtpu": "0.0.52"},
+    "current": {"torch": "2.15.0", "torch_tpu": "0.2.0", "jax": "0.12.0.1", "jaxlib": "0.12.0.1", "libtpu": "0.0.52"},
 }
 
 # The checkout's environment of each stack (scripts/env.sh [current]), and the file in it scripts/env.sh writes

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import sys
 import time
@@ -31,8 +32,10 @@ from train.__main__ import main  # noqa: E402
 
 
 def shards(output: str) -> list[str]:
+    """The shards written: not a temporary file a killed run left (shard-N.jsonl.tmp-PID, taken away later)."""
     folder = output + ".predict"
-    return sorted(name for name in os.listdir(folder) if name.startswith("shard-")) if os.path.isdir(folder) else []
+    return sorted(name for name in os.listdir(folder) if re.fullmatch(r"shard-\d+\.(jsonl|parquet)", name)) \
+        if os.path.isdir(folder) else []
 
 
 def child(argv: list[str], stderr: str) -> int:

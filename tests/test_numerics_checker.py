@@ -24,7 +24,7 @@ def _exact(scale=1.0, **changes):
     """A stand-in backend: exact attention times ``scale`` with ``changes`` to the arguments,
     rounded to the inputs' dtype."""
     def attention(q, k, v, **kwargs):
-        return (exact_from(q, k, v, **{**kwargs, **changes}) * scale).to(q.dtype)
+        return (exact_from(q, k, v, **{**kwargs, **changes})[0] * scale).to(q.dtype)
     return attention
 
 
@@ -52,3 +52,21 @@ def test_rejects_an_off_by_one_window(dtype):
     with pytest.raises(AssertionError, match="max error"):
         check_backend(_case("window_113x1000", dtype), "window_off_by_one", attention=_exact(window=(None, 9)),
                       float32_compute=True)
+
+
+def _exact_with_lse(lse_gradient: bool = True):
+    """A stand-in that returns lse as well: exact, or with zero gradient through lse (a backward that drops dlse)."""
+    def attention(q, k, v, *, return_lse, **kwargs):
+        out, lse = exact_from(q, k, v, **kwargs)
+        return out.to(q.dtype), (lse if lse_gradient else lse.detach() + 0 * lse).float()
+    return attention
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weighs_lse_in_every_gradient(dtype):
+    """Asked for lse, the rules accept the exact one and reject one whose gradient is lost (dlse dropped)."""
+    case = _case("causal_bias_softcap", dtype)
+    check_backend(case, "exact", attention=_exact_with_lse(), float32_compute=True, lse=True)
+    with pytest.raises(AssertionError, match="dq: max error"):
+        check_backend(case, "lse_without_gradient", attention=_exact_with_lse(lse_gradient=False),
+                      float32_compute=True, lse=True)

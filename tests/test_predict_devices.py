@@ -64,6 +64,24 @@ def test_every_local_device_takes_a_row_of_each_step(bert, tmp_path, capsys):
         <= 1e-6
 
 
+def check_time_estimate(out: str, generation: str, documents: int, devices: int) -> float:
+    """Checks the printed roofline of a step on one of a chip's ``devices`` devices (each at that share of the chip's
+    peak and bandwidth) holding ``documents`` documents against the chip's figures; returns the step's GFLOP."""
+    where = f" on one of a chip's {devices} devices" if devices > 1 else ""
+    estimate = re.search(rf"time per step, at least: ([\d.e+-]+) ms{where} \((compute|HBM)-bound roofline of the "
+                         r"compiler's cost analysis: ([\d.e+-]+) GFLOP, ([\d.e+-]+) GB of HBM; .*\); per chip at most "
+                         r"([\d,]+) documents/s", out)
+    assert estimate, out
+    chip = generations.get(generation)
+    ms, bound, gflop, gb, per_chip = estimate.groups()
+    compute = devices * float(gflop) * 1e9 / chip.peak_bf16_flops
+    memory = devices * float(gb) * 1e9 / chip.hbm_bytes_per_s
+    assert float(ms) / 1e3 == pytest.approx(max(compute, memory), rel=0.01)
+    assert bound == ("compute" if compute > memory else "HBM")
+    assert int(per_chip.replace(",", "")) == pytest.approx(devices * documents / (float(ms) / 1e3), rel=0.01)
+    return float(gflop)
+
+
 def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, capsys, monkeypatch):
     assert main(["predict", "--model", llama, "--max-length", "64", "--batch-tokens", "256",
                  "--compile-only", "v5e"]) == 0
@@ -71,20 +89,11 @@ def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, 
     assert "1 row of 256 tokens (4 documents of 64 each) per chip of v5e" in out, out
     row = next(line.split() for line in out.splitlines() if line.startswith("torchattn"))
     assert row[1] == "256" and float(row[5]) > 0 and row[6] == "yes" and row[8] == "2", row  # a kernel per layer
-    estimate = re.search(r"time per step, at least: ([\d.e+-]+) ms \((compute|HBM)-bound roofline of the compiler's "
-                         r"cost analysis: ([\d.e+-]+) GFLOP, ([\d.e+-]+) GB of HBM; .*\); per chip at most ([\d,]+) "
-                         r"documents/s", out)
-    assert estimate, out
-    chip = generations.get("v5e")
-    ms, bound, gflop, gb, documents = estimate.groups()
-    compute, memory = float(gflop) * 1e9 / chip.peak_bf16_flops, float(gb) * 1e9 / chip.hbm_bytes_per_s
-    assert float(ms) / 1e3 == pytest.approx(max(compute, memory), rel=0.01)
-    assert bound == ("compute" if compute > memory else "HBM")
-    assert int(documents.replace(",", "")) == pytest.approx(4 / (float(ms) / 1e3), rel=0.01)
+    gflop = check_time_estimate(out, "v5e", documents=4, devices=1)
     # at least the layers' matmuls: 2 FLOPs per token and weight of the query, output and MLP projections
     config = transformers.AutoConfig.from_pretrained(llama)
     per_layer = 2 * config.hidden_size ** 2 + 3 * config.hidden_size * config.intermediate_size
-    assert float(gflop) * 1e9 >= 2 * 256 * per_layer * config.num_hidden_layers
+    assert gflop * 1e9 >= 2 * 256 * per_layer * config.num_hidden_layers
     from torchattn.aot import other_stack
 
     monkeypatch.setattr(other_stack, "python_compiling", lambda generation: None)  # no .venv-current to hand it to
@@ -92,6 +101,18 @@ def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, 
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--compile-only: generation: v7x needs libtpu 0.0.52 of the current stack" \
         in err, err
+
+
+def test_compile_only_on_a_chip_of_two_devices_times_one_device_and_counts_the_chip(llama, capsys):
+    """v4: a chip is two TensorCores, each a device of its own running the step at half the chip's peak and
+    bandwidth; a chip's documents/s is both devices'."""
+    assert main(["predict", "--model", llama, "--max-length", "64", "--batch-tokens", "256",
+                 "--compile-only", "v4"]) == 0
+    out = capsys.readouterr().out
+    assert "1 row of 256 tokens (4 documents of 64 each)" in out, out
+    row = next(line.split() for line in out.splitlines() if line.startswith("torchattn"))
+    assert row[6] == "yes", row
+    check_time_estimate(out, "v4", documents=4, devices=2)
 
 
 def test_minilm_embeds_as_sentence_transformers_mean_pooling_in_float64(tmp_path):

@@ -6,6 +6,8 @@ here read that. Per mesh (4, 1), (2, 2), (1, 4) over (data, model): outputs and 
 gradient against the same call on replicated inputs (one device's result) and against
 the float64 reference; the compiled, partitioned programs for all-gathers and the shapes
 each device holds; the pallas backend's custom calls (faked TPU v5e, built, not run).
+tests/spmd_calls.py runs single calls whose layout is stated other ways (a global mesh
+without axis names, a replicated q inside a context) in a process of their own too.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ pytest.importorskip("torch_xla")
 
 sys.path.insert(0, str(Path(__file__).parent))
 import spmd_attention as script  # noqa: E402
+import spmd_calls  # noqa: E402
 
 # float32 on both sides: per-device kernels see the same rows and blocks, so only sums across
 # shards (a broadcast bias's gradient) may add in another order.
@@ -144,6 +147,19 @@ def test_what_cannot_run_per_device_names_dimension_and_axis(results, mesh):
         assert (message is not None) == raised, f"{name}: {message}"
         for word in words if raised else ():
             assert word in message, f"{name}: {word!r} not in {message!r}"
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory):
+    return spmd_calls.run(["nameless_global_mesh", "replicated_in_context"], tmp_path_factory.mktemp("calls"))
+
+
+def test_a_global_mesh_without_axis_names_leaves_q_its_own_sharding(calls):
+    spmd_calls.check_per_device_and_exact(calls["nameless_global_mesh"])
+
+
+def test_a_context_wins_over_an_implicit_replicated_annotation(calls):
+    spmd_calls.check_per_device_and_exact(calls["replicated_in_context"])
 
 
 def test_sharded_needs_spmd():

@@ -10,6 +10,9 @@ device are marked ``tpu`` (docs/versions.md says how to run them on a TPU VM).
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -237,3 +240,49 @@ def test_compile_and_export_on_a_torchtpu_device(mode):
     torch.testing.assert_close(got, eager)
     got.sum().backward()
     assert q.grad is not None and q.grad.shape == q.shape
+
+
+def test_a_backward_without_a_tpu_does_not_wait_on_the_metadata_server(tmp_path):
+    """torch imports torch_tpu with itself (its device-backend autoload, which the suite turns off); libtpu's
+    client, started by the first backward, then retried the TPU VM's metadata server for about 10 minutes.
+    Importing torchattn (as patches, train and the scripts do) tells libtpu to skip it on a machine with no TPU."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("TORCH_DEVICE_BACKEND_AUTOLOAD", "TPU_SKIP_MDS_QUERY")}
+    code = ("import torch, torchattn, os, sys; assert 'torch_tpu' in sys.modules, 'not autoloaded';"
+            "x = torch.randn(3, requires_grad=True); (x * 2).sum().backward(); print(os.environ['TPU_SKIP_MDS_QUERY'])")
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=180)  # the stall is ~600 s; a healthy run ~10 s
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "1"
+
+
+@pytest.mark.parametrize("found, expected", [
+    ({}, "1"),                                                      # no TPU: skip the metadata server
+    ({"/sys/bus/pci/devices/*/vendor": ["0x1ae0"]}, None),         # a Google PCI device: a TPU VM may need it
+    ({"/dev/accel*": ["/dev/accel0"]}, None),                       # TPU device files
+    ({"/dev/vfio/[0-9]*": ["/dev/vfio/0"]}, None),
+])
+def test_the_metadata_server_is_skipped_only_without_a_tpu(monkeypatch, tmp_path, found, expected):
+    vendors = found.pop("/sys/bus/pci/devices/*/vendor", [])
+    files = []
+    for i, vendor in enumerate(vendors):
+        files.append(tmp_path / f"vendor{i}")
+        files[-1].write_text(vendor + "\n")
+    found["/sys/bus/pci/devices/*/vendor"] = [str(f) for f in files] + [_other_vendor(tmp_path)]
+    monkeypatch.setattr(torchtpu.glob, "glob", lambda pattern: found.get(pattern, []))
+    monkeypatch.delenv("TPU_SKIP_MDS_QUERY", raising=False)
+    torchtpu.skip_metadata_server_without_tpu()
+    assert os.environ.get("TPU_SKIP_MDS_QUERY") == expected
+
+
+def test_a_users_own_metadata_server_setting_is_kept(monkeypatch):
+    monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "0")
+    monkeypatch.setattr(torchtpu.glob, "glob", lambda pattern: [])
+    torchtpu.skip_metadata_server_without_tpu()
+    assert os.environ["TPU_SKIP_MDS_QUERY"] == "0"
+
+
+def _other_vendor(tmp_path) -> str:
+    path = tmp_path / "vendor-virtio"
+    path.write_text("0x1af4\n")
+    return str(path)

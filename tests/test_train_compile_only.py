@@ -187,6 +187,21 @@ def test_after_a_refusal_longer_lengths_are_skipped_and_a_trace_error_is_a_row(l
     assert len(rows_printed) == len(rows) == 6, "each row once, as it is compiled"
 
 
+def test_a_sweep_that_compiled_nothing_exits_1_with_one_line(llama, tmp_path, monkeypatch, capsys):
+    def trace(model_config, config, attn, length):
+        raise RuntimeError("Expected query, key, and value to have the same dtype")
+
+    monkeypatch.setattr(compile_only, "step_graph", trace)
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "64,128"))
+    captured = capsys.readouterr()
+    assert status == 1, captured.out
+    assert captured.err == ("python -m train: error: --compile-only: no step compiled (each row's error is in the "
+                            f"table and in {report})\n")
+    rows = _rows(report)
+    assert len(rows) == 6 and all(row["error"].startswith("step does not trace: Expected query") for row in rows)
+
+
 def test_compile_lengths_beyond_the_position_limit_are_refused_up_front(llama, tmp_path, capsys):
     # The tiny Llama's config allows 512 positions (python -m train refuses --max-length beyond it too).
     report = tmp_path / "hbm.csv"

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 
 from train.config import (FIELDS, FLAGS, GROUPS, RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args,
-                          resume_changes, save_config)
+                          resume_changes, save_config, saved_config)
 
 # Every flag issue 7 names, spelled as it does.
 ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
@@ -66,6 +67,50 @@ def test_config_file_numbers_yaml_reads_as_strings_convert_as_their_flags_would(
     with pytest.raises(ConfigError) as error:
         parse_args(["--config", str(path)])
     assert str(error.value) == f"{path}: lr: expected float, got '1e-3x'"
+
+
+@pytest.mark.parametrize("suffix, body", [
+    (".toml", 'model = "m"\ntask = "lm"\nmax-length = 64\n'),
+    (".yaml", "model: m\ntask: lm\nmax_length: 64\n"),
+])
+def test_a_recipe_file_of_ones_own_is_read_and_recorded_by_its_path(tmp_path, monkeypatch, suffix, body):
+    # Issue 43: --recipe took only the package's recipe names.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / f"mine{suffix}").write_text(body)
+    path = str(tmp_path / f"mine{suffix}")
+    config = parse_args(["--recipe", f"mine{suffix}", "--max-length", "32", "--output-dir", "run"])
+    assert (config.run.recipe, config.model.name, config.run.task, config.data.max_length, config.data.dataset) == (
+        path, "m", "lm", 32, "bbc-news"), "the file's values over the defaults, flags over the file"
+    assert parse_args(["--recipe", path]).with_output_dir().run.output_dir.startswith(os.path.join("runs", "mine-"))
+    (tmp_path / "run").mkdir()
+    save_config(config, str(tmp_path / "run" / "config.json"))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["recipe"] == path
+    resumed = parse_args(["--output-dir", "run", "--resume"])
+    assert (resumed.run.recipe, resumed.data.max_length) == (path, 32)
+    saved = saved_config("run")
+    assert resume_changes(saved, parse_args(["--output-dir", "run", "--resume", "--recipe", f"mine{suffix}"])) == {}
+    (tmp_path / f"other{suffix}").write_text(body)
+    with pytest.raises(ConfigError, match=r"^--resume: --recipe '.*other\.(toml|yaml)' differs from the run's"):
+        resume_changes(saved, parse_args(["--output-dir", "run", "--resume", "--recipe", f"other{suffix}"]))
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("absent.toml", None, "--recipe: no such file: absent.toml"),
+    ("bad.toml", "max-length = [\n", "--recipe: bad.toml is not valid TOML: "),
+    ("typo.yaml", "max_lenght: 64\n", "--recipe: typo.yaml: unknown key 'max_lenght'; known keys: recipe, model, "),
+    ("nested.toml", 'recipe = "sotu-lm"\n', "--recipe: nested.toml: expected a run's defaults, not recipe; got "
+                                            "recipe = 'sotu-lm'"),
+    ("resume.yml", "resume: true\n", "--recipe: resume.yml: expected a run's defaults, not resume; got resume = True"),
+    ("recipe.ini", "[x]\n", "--recipe: expected one of bbc-topics, sotu-lm or a recipe file (.toml, .yaml or .yml), "
+                            "got 'recipe.ini'"),
+])
+def test_a_bad_recipe_file_names_the_flag_the_file_and_the_reason(tmp_path, monkeypatch, name, text, message):
+    monkeypatch.chdir(tmp_path)
+    if text is not None:
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as error:
+        parse_args(["--recipe", name])
+    assert str(error.value).startswith(message), str(error.value)
 
 
 def test_resume_takes_the_saved_configuration(tmp_path):
@@ -284,3 +329,13 @@ def test_each_component_checks_its_own_fields_naming_the_flag(component, bad):
     with pytest.raises(ConfigError, match="^" + flag + ": "):
         group.check()  # the component's own check refuses it, not another's
     assert FIELDS[next(iter(bad))][0] == component
+
+
+def test_a_resume_refusal_says_in_words_what_the_run_had_not_none(tmp_path):
+    saved = parse_args(LM_CONTEXT + ["--mesh", "none", "--output-dir", str(tmp_path)])
+    save_config(saved, str(tmp_path / "config.json"))
+    with pytest.raises(ConfigError) as error:
+        resume_changes(saved_config(str(tmp_path)), parse_args(["--output-dir", str(tmp_path), "--resume", "--mesh",
+                                                                "context=2"]))
+    assert "--mesh 'context=2' where the run had no --mesh" in str(error.value)
+    assert "None" not in str(error.value)

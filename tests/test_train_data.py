@@ -22,6 +22,7 @@ import tokenizers
 import torch
 import transformers
 
+from train.data import open_source
 from train.errors import DataError
 from train.splits import load_splits
 from train.tasks import classification, lm
@@ -174,6 +175,57 @@ def test_label_folders_skip_hidden_entries_and_count_them(tmp_path):
     pairs = set(zip(list(splits["train"]["text"]) + list(splits["eval"]["text"]),
                     label_names(splits["train"]) + label_names(splits["eval"])))
     assert pairs == {(row["body"], row["topic"]) for row in ROWS}
+
+
+def _texts(root: pathlib.Path, names: list[str]) -> None:
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(f"the text of {name}")
+
+
+@pytest.mark.parametrize("flag", ["--dataset", "--input"])
+def test_folder_of_top_level_files_and_label_folders_is_refused_saying_how_to_read_either(tmp_path, flag):
+    # Issue 43: the 13 top-level files were dropped without a word, only old/z.txt was read.
+    _texts(tmp_path, [f"{i:02}.txt" for i in range(13)] + ["old/z.txt"])
+    with pytest.raises(DataError) as e:
+        open_source(str(tmp_path), flag=flag)
+    line = one_line(e)
+    assert line.startswith(f"{flag}: folder '{tmp_path}' holds 13 .txt files at its top level (00.txt, 01.txt, "
+                           f"02.txt, ...) and 1 sub-folder of .txt files (old/)"), line
+    assert "move the top-level files into a label folder" in line and f"point {flag} at a folder" in line, line
+
+
+def test_mixed_folder_with_a_hidden_file_is_refused_too(tmp_path):
+    _texts(tmp_path, ["sport/a.txt", "top.txt", ".hidden.txt"])
+    with pytest.raises(DataError, match=r"^--dataset: .* holds 1 \.txt file at its top level \(top\.txt\) and 1 "
+                                        r"sub-folder of \.txt files \(sport/\)"):
+        open_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("names", [["sport/a.txt", "sport/2019/b.txt"], ["top.txt", "drafts/old/b.txt"]])
+def test_txt_files_below_the_label_folders_are_refused_not_left_out(tmp_path, names):
+    _texts(tmp_path, names)
+    with pytest.raises(DataError, match=rf"^--dataset: .* holds 1 \.txt file in folders below its label folders "
+                                        rf"\({names[1]}\), which would be left out"):
+        open_source(str(tmp_path))
+
+
+@pytest.mark.parametrize("names, read, hidden", [
+    # Labelled: a hidden file at the top level is named as well as those in the label folders.
+    (["sport/a.txt", "sport/.b.txt", ".hidden.txt", ".git/x.txt"], ["sport/a.txt"],
+     [".git/", ".hidden.txt", "sport/.b.txt"]),
+    # Flat: hidden files and folders at the top level, and hidden .txt files in folders that hold no other.
+    (["a.txt", ".hidden.txt", ".ipynb_checkpoints/a-checkpoint.txt", "drafts/.b.txt"], ["a.txt"],
+     [".ipynb_checkpoints/", "drafts/.b.txt", ".hidden.txt"]),
+])
+def test_hidden_entries_at_every_level_are_named_in_one_warning(tmp_path, names, read, hidden):
+    _texts(tmp_path, names)
+    with pytest.warns(UserWarning) as caught:
+        source = open_source(str(tmp_path))
+    assert list(source["train"]["path"]) == read
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1 and f"skipped {len(hidden)} hidden" in messages[0], messages
+    assert all(name in messages[0] for name in hidden), messages
 
 
 @pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-32"])

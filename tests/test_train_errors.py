@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 
 import datasets
 import pytest
@@ -13,6 +14,8 @@ import torch
 
 import train_tiny
 from train.__main__ import main
+from train.config import parse_args, save_config
+from train.trainer import Trainer
 
 pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 
@@ -108,6 +111,44 @@ def test_output_dir_with_another_runs_checkpoints(capsys, tmp_path, bert, docs_c
     assert os.listdir(out / "checkpoints") == ["step-00000004.pt"]
 
 
+def folder_bytes(folder) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.mark.parametrize("resume", [[], ["--resume"]], ids=["new", "resume"])
+def test_output_dir_holding_a_saved_model_is_refused_and_left_as_it_was(capsys, tmp_path, bert, docs_csv, resume):
+    # Issue 43: a finished run's model/ as --output-dir trained and wrote the run's config.json over the model's.
+    out = tmp_path / "model"
+    shutil.copytree(bert, out)
+    before = folder_bytes(out)
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--max-steps", "1", "--output-dir", str(out), *resume],
+          "--output-dir", str(out), "config.json, model.safetensors, tokenizer.json, ... (4 entries)")
+    assert folder_bytes(out) == before
+
+
+def test_output_dir_holding_other_files_is_refused_naming_them(capsys, tmp_path, bert, docs_csv):
+    out = tmp_path / "notes"
+    (out / "drafts").mkdir(parents=True)
+    (out / "todo.md").write_text("my notes")
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--max-steps", "1", "--output-dir", str(out)],
+          "--output-dir", str(out), "drafts/, todo.md (2 entries)")
+    assert folder_bytes(out) == {"todo.md": b"my notes"} and os.listdir(out / "drafts") == []
+    fails(capsys, ["--model", bert, "--dataset", docs_csv, "--max-steps", "1", "--output-dir", str(out / "todo.md")],
+          "--output-dir", str(out / "todo.md"), "is a file, not a folder")
+    assert folder_bytes(out) == {"todo.md": b"my notes"}
+
+
+def test_output_dir_of_a_run_stopped_before_its_first_checkpoint_is_still_taken(tmp_path, bert, docs_csv):
+    """A run folder (its config.json, metrics and the lock file of the killed run) is not another's files."""
+    out = tmp_path / "run"
+    out.mkdir()
+    argv = ["--model", bert, "--dataset", docs_csv, "--output-dir", str(out)]
+    save_config(parse_args(argv), str(out / "config.json"))
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval": true, "accuracy": 0.3, "macro_f1": 0.2}\n')
+    (out / "run.lock").write_text("999999\n")
+    Trainer(parse_args(argv)).close()
+
+
 def test_resume_with_nothing_to_resume(capsys, tmp_path, bert, docs_csv):
     out = tmp_path / "run"
     fails(capsys, ["--model", bert, "--dataset", docs_csv, "--output-dir", str(out), "--resume"],
@@ -195,3 +236,30 @@ def test_two_documents_of_two_labels_are_too_few_to_evaluate(capsys, tmp_path, b
     line = fails(capsys, ["--model", bert, "--dataset", tiny, "--output-dir", str(tmp_path / "run")],
                  "--dataset", "two.csv", "too small")
     assert "--eval-fraction" not in line  # no fraction holds out a document here
+
+
+def test_warnings_of_both_commands_are_one_line_each_and_python_s_own_after(tmp_path, bert):
+    # Issue 43: each warning printed 3 lines, Python's "<file>:<line>: UserWarning: ..." and the source line.
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a text about cats")
+    (folder / "blank.txt").write_text("  \n")
+    (folder / ".hidden.txt").write_text("an editor's backup")
+    taken = tmp_path / "taken.jsonl"  # predict refuses it once the documents are read
+    taken.write_text('{"id": 0}\n')
+    for argv, error in ((["--model", bert, "--dataset", str(folder), "--output-dir", str(tmp_path / "run")],
+                         "python -m train: error: --label-column: column 'label' not found"),
+                        (["predict", "--model", bert, "--input", str(folder), "--output", str(taken)],
+                         "python -m train predict: error: --output: ")):
+        done = train_tiny.run_train(argv, timeout=300)
+        assert done.returncode == 2, done.stderr[-3000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 3, done.stderr
+        assert lines[0] == f"warning: data: skipped 1 hidden files and folders of '{folder}' (names starting with " \
+                           "'.'): .hidden.txt", lines
+        assert lines[1] == f"warning: data: skipped 1 blank texts of '{folder}'", lines
+        assert lines[2].startswith(error), lines
+    # Inside a program that calls it, Python's own format is back once the command returns.
+    before = warnings.formatwarning
+    assert main(["--no-such-flag"]) == 2
+    assert warnings.formatwarning is before

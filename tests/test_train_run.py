@@ -211,6 +211,7 @@ def test_lm_run_reports_perplexity_before_and_after(lm_run):
     assert evals[1]["perplexity"] < evals[0]["perplexity"], "six steps at lr 3e-3 must lower held-out perplexity"
     assert re.search(rf"perplexity before +{evals[0]['perplexity']:.3f}\n", printed), printed
     assert f"perplexity {evals[1]['perplexity']:.3f}" in printed
+    assert len(re.findall(r"^perplexity +\d", printed, re.M)) == 1, f"the final perplexity printed once: {printed}"
     assert os.path.isfile(os.path.join(out, "model", "config.json"))
 
 
@@ -281,6 +282,8 @@ def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):
     assert len(evals) == 1
     assert f"accuracy {evals[0]['accuracy']:.4f}" in printed
     assert f"macro-F1 {evals[0]['macro_f1']:.4f}" in printed
+    for name in ("accuracy", "macro-F1"):
+        assert len(re.findall(rf"^{name} +\d", printed, re.M)) == 1, f"{name} printed once: {printed}"
 
 
 @pytest.mark.slow

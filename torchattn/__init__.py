@@ -4,6 +4,10 @@ from . import _versions
 
 _versions.check_versions()  # before importing torch: a mismatched torch/torch_xla pair fails here, clearly
 
+from . import torchtpu  # noqa: E402
+
+torchtpu.skip_metadata_server_without_tpu()  # before any backward: libtpu's 10-minute wait on a machine without TPU
+
 from . import counters  # noqa: E402
 from .api import explain, flash_attention  # noqa: E402
 from .block_sizes import BlockSizes  # noqa: E402

@@ -120,6 +120,18 @@ def compile_stablehlo(text: str, devices: tuple):
 
 
 # ---------------------------------------------------------------------------
+# Tracing: torch.compile (dynamo), aot_autograd, export.
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tracer's stand-in (dynamo's or aot_autograd's fake tensors) rather than a
+    tensor with data: torch_xla cannot say how a stand-in is sharded ("Expected XLA tensor")."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return torch.compiler.is_compiling() or is_fake(t)
+
+
+# ---------------------------------------------------------------------------
 # Custom-op bodies on XLA tensors.
 
 

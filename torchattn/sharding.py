@@ -3,12 +3,17 @@
 
 Where the sharding comes from, first match wins:
 
-1. q's own sharding (``mark_sharding`` on q);
+1. q's own sharding (``mark_sharding`` on q), but a replicated one inside a
+   :func:`sharded` context (a copy of a device tensor carries that annotation
+   without anyone stating it);
 2. the innermost :func:`sharded` context. Inside a model q is an intermediate
    tensor: GSPMD decides its layout only when it compiles, so torchattn cannot read
    it; the context states it once for a whole run;
 3. a global mesh of axes ("fsdp", "tensor") (``xs.set_global_mesh``, as transformers'
    Trainer sets it under XLA FSDPv2): batch over "fsdp", heads over "tensor".
+
+Traced (torch.compile, aot_autograd), q is a stand-in without XLA data: its own sharding
+cannot be read, so the context or the global mesh decides.
 
 None of these: the call runs on the global tensors (correct, but XLA gathers them onto
 every device), with a one-time warning that says why. head_dim stays whole on each device: an input
@@ -18,14 +23,14 @@ sharded along it is a ValueError naming the dimension and axis.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
 import re
-from dataclasses import dataclass
 
 import torch
 
-from . import context, once
+from . import context, internals, once
 from .request import Request
 
 # The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
@@ -34,7 +39,7 @@ _DIM_NAMES = ("batch", "heads", "seq_len", "head_dim")
 _TILED = re.compile(r"^\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?\}$")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Sharding:
     """How attention's inputs are cut: ``batch``, ``heads`` and ``sequence`` are tuples of axis
     names of ``mesh`` (a ``torch_xla.distributed.spmd.Mesh``); each may be empty. ``balanced``:
@@ -44,6 +49,13 @@ class Sharding:
     heads: tuple[str, ...]
     sequence: tuple[str, ...] = ()
     balanced: bool = False
+    # str(mesh), as torchattn/spmd.py's custom ops take the mesh; found once here: torch.compile cannot
+    # trace the mesh's NumPy device ids into a string.
+    mesh_text: str = dataclasses.field(default="", repr=False, compare=False)
+
+    def __post_init__(self):
+        if not self.mesh_text:
+            object.__setattr__(self, "mesh_text", str(self.mesh))
 
     def ways(self, axes: tuple[str, ...]) -> int:
         return ways(self.mesh, axes)
@@ -55,7 +67,8 @@ class Sharding:
 
 def ways(mesh, axes: tuple[str, ...]) -> int:
     """How many shards the mesh axes ``axes`` cut a dimension into."""
-    return math.prod(mesh.mesh_shape[mesh.get_axis_name_idx(axis)] for axis in axes)
+    # A list, not a generator: torch.compile traces no generator into math.prod.
+    return math.prod([mesh.mesh_shape[mesh.get_axis_name_idx(axis)] for axis in axes])
 
 
 _contexts: list[Sharding] = []
@@ -119,14 +132,15 @@ def _axis_names(name: str, value) -> tuple[str, ...]:
 
 
 UNMARKED = "unmarked"  # SPMD is on and nothing says how q is sharded
+_REPLICATED = "replicated"  # q carries a replicated annotation: whole, unless a sharded() context states otherwise
 
 
 def resolve(request: Request) -> Sharding | str | None:
-    """How ``request``'s inputs are sharded: a Sharding; "whole" (q is replicated, or already
-    per device); UNMARKED (SPMD is on, nothing says); None (not SPMD). ValueError for a sharding
-    q or a :func:`sharded` context states that torchattn cannot run per device (head_dim sharded,
-    sizes not divisible); a global mesh that does not fit is only warned about (it was not stated
-    for attention)."""
+    """How ``request``'s inputs are sharded: a Sharding; "whole" (q is replicated outside any
+    :func:`sharded` context, or already per device); UNMARKED (SPMD is on, nothing says); None
+    (not SPMD). ValueError for a sharding q or a :func:`sharded` context states that torchattn
+    cannot run per device (head_dim sharded, sizes not divisible); a global mesh that does not
+    fit is only warned about (it was not stated for attention)."""
     if request.device.type != "xla":
         return None
     import torch_xla.runtime as xr
@@ -134,7 +148,9 @@ def resolve(request: Request) -> Sharding | str | None:
     if not xr.is_spmd():
         return None
     found, why = _from_input(request.q), None
-    if found is None:
+    if found == _REPLICATED:  # perhaps nobody stated it (a copy of a device tensor carries it): a context wins
+        found = innermost() or "whole"
+    elif found is None:
         found = innermost()
     stated = found is not None
     if not stated:
@@ -173,19 +189,31 @@ def _from_global_mesh() -> tuple[Sharding | None, str | None]:
     if others:
         return None, about + f"its axes {others} are not 'fsdp' or 'tensor', so how they cut the inputs is unknown"
     heads = ("tensor",) if "tensor" in names and ways(mesh, ("tensor",)) > 1 else ()
-    return Sharding(mesh=mesh, batch=("fsdp",), heads=heads), None
+    return Sharding(mesh=mesh, batch=("fsdp",), heads=heads, mesh_text=_global_mesh_text()), None
+
+
+@torch.compiler.assume_constant_result
+def _global_mesh_text() -> str:
+    """str() of the global mesh, as the custom ops of torchattn/spmd.py take it. torch.compile runs this as it
+    traces and keeps the result as a constant: it cannot trace the mesh's NumPy device ids into a string."""
+    import torch_xla.distributed.spmd as xs
+
+    return str(xs.get_global_mesh())
 
 
 def _from_input(q: torch.Tensor):
-    """q's own sharding as a Sharding, "whole" (replicated, or already manual), or None (none)."""
+    """q's own sharding as a Sharding, _REPLICATED, "whole" (already manual: per device), or None (none, or
+    q is a tracer's stand-in)."""
     import torch_xla.distributed.spmd as xs
 
+    if internals.traced(q):
+        return None
     wrapped = xs.wrap_if_sharded(q)
     if not isinstance(wrapped, xs.XLAShardedTensor):
         return None
     text = wrapped.sharding_spec
     if text in ("", "{replicated}", "{manual}"):
-        return "whole" if text else None
+        return {"": None, "{replicated}": _REPLICATED, "{manual}": "whole"}[text]
     match = _TILED.match(text)
     if match is None:
         raise ValueError(f"q: sharding {text} is not a tiling torchattn can run per device; mark q "
@@ -224,7 +252,10 @@ def _tiling(mesh, spec: tuple[tuple[str, ...], ...]) -> tuple[tuple[int, ...], t
 
 
 def _matching_spec(mesh, tiles, devices):
-    """The spec over ``mesh`` (axes of each of the 4 dims) whose tiling is (tiles, devices), or None."""
+    """The spec over ``mesh`` (axes of each of the 4 dims) whose tiling is (tiles, devices), or None (none, or
+    the mesh has no axis names to state one with)."""
+    if mesh.axis_names is None:
+        return None
     names = list(mesh.axis_names)
     for dims in itertools.product(range(5), repeat=len(names)):  # each axis to a dim, or 4: unused
         spec = tuple(tuple(n for n, d in zip(names, dims) if d == dim) for dim in range(4))

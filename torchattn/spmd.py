@@ -25,16 +25,20 @@ run on gathered global tensors, balanced ones with wrong masks: they are refused
 (torchattn.backends.choose).
 
 The sharding itself is found once per call, at validation (torchattn/sharding.py, into
-``Request.sharding``).
+``Request.sharding``). The cuts into and out of the manual-sharding region are custom ops
+(``torchattn::to_local``, ``torchattn::to_global``, ``torchattn::annotate``) taking the mesh as
+its text: a tracer (torch.compile, aot_autograd) sees ops with shapes, not torch_xla's sharded
+tensors, and their bodies run on the XLA tensors the compiled graph is built from.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
-from . import context, once
+from . import context, internals, once
 from .block_sizes import BlockSizes
 from .request import Request
 from .roles import KV_ROWS, PAIRS, PER_DEVICE, Q_ROWS
@@ -48,6 +52,10 @@ def run(request: Request, attention, *, per_device: bool):
     q = request.q
     sharding = request.sharding
     if sharding == UNMARKED and per_device:
+        if internals.traced(q):  # a warning would break torch.compile's graph, and q may well be marked
+            raise ValueError("q: its own sharding cannot be read while torch.compile or aot_autograd traces the "
+                             "call, and neither a torchattn.sharded(...) context nor a global mesh states it; wrap "
+                             "the traced function's run in torchattn.sharded(mesh, batch=..., heads=...)")
         once.warn(("spmd", "unsharded"),
                   "torchattn: SPMD is on but q carries no sharding and no torchattn.sharded(...) context is "
                   "active: the kernels run on the global tensors on every device (XLA gathers q, k and v). "
@@ -69,8 +77,8 @@ def run(request: Request, attention, *, per_device: bool):
                                       block_sizes=_local_blocks(sharding, request))
     tensors = request.tensors(sharding.ways(b), sharding.ways(h), offsets)
     out, lse = attention(tensors.map(lambda field, t: _one_shard(field, _local(sharding, field, t))), options)
-    return (_ToGlobal.apply(out, sharding.mesh, sharding.spec(b, h, s, None), q.shape),
-            _ToGlobal.apply(lse, sharding.mesh, sharding.spec(b, h, s), q.shape[:3]))
+    return (_ToGlobal.apply(out, sharding, sharding.spec(b, h, s, None), q.shape),
+            _ToGlobal.apply(lse, sharding, sharding.spec(b, h, s), q.shape[:3]))
 
 
 def _local_blocks(sharding: Sharding, request: Request) -> BlockSizes:
@@ -117,7 +125,7 @@ def _local(sharding: Sharding, field, t: torch.Tensor) -> torch.Tensor:
         # second one on a tensor, and a clone shares it).
         t = t * 1
     spec = sharding.spec(*cut, *(None,) * (t.dim() - len(cut)))
-    local = _ToLocal.apply(t, sharding.mesh, spec, summed, gathered)
+    local = _ToLocal.apply(t, sharding, spec, summed, gathered)
     key_dim = len(lead) if field.role == KV_ROWS else 3 if field.role == PAIRS else None
     if sharding.balanced and key_dim is not None and local.shape[key_dim] > 1:
         return context.to_natural(local, key_dim, sharding.ways(seq))
@@ -136,28 +144,23 @@ class _ToLocal(torch.autograd.Function):
     each shard's gradient is a partial sum, added up over them and cut back along dim."""
 
     @staticmethod
-    def forward(ctx, t, mesh, spec, summed, gathered):
-        import torch_xla.distributed.spmd as xs
-
-        ctx.mesh, ctx.spec, ctx.summed, ctx.gathered, ctx.shape = mesh, spec, summed, gathered, t.shape
-        return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
+    def forward(ctx, t, sharding, spec, summed, gathered):
+        ctx.sharding, ctx.spec, ctx.summed, ctx.gathered, ctx.shape = sharding, spec, summed, gathered, t.shape
+        return to_local(t, sharding.mesh_text, _op_spec(spec))
 
     @staticmethod
     def backward(ctx, grad):
-        import torch_xla.distributed.spmd as xs
-
-        spec, shape = list(ctx.spec), list(ctx.shape)
+        sharding, spec, shape = ctx.sharding, list(ctx.spec), list(ctx.shape)
         for dim, axes in (ctx.summed or {}).items():  # one gradient per shard along dim, then their sum
             spec[dim] = _spec_axes(axes)
-            shape[dim] = ways(ctx.mesh, axes)
+            shape[dim] = sharding.ways(axes)
         if ctx.gathered:  # one partial gradient per sequence shard, along a new leading dim
             axes, rows = ctx.gathered
-            grad, spec, shape = grad.unsqueeze(0), [_spec_axes(axes), *spec], [ways(ctx.mesh, axes), *shape]
-        grad = xs.disable_manual_sharding(grad, tuple(spec), torch.Size(shape), mesh=ctx.mesh).global_tensor
+            grad, spec, shape = grad.unsqueeze(0), [_spec_axes(axes), *spec], [sharding.ways(axes), *shape]
+        grad = to_global(grad, sharding.mesh_text, _op_spec(spec), shape)
         if ctx.gathered:
-            grad = grad.sum(dim=0)
-            xs.mark_sharding(grad, ctx.mesh, tuple(_spec_axes(axes) if dim == rows else dim_axes
-                                                   for dim, dim_axes in enumerate(ctx.spec)))  # reduce-scatter
+            grad = annotate(grad.sum(dim=0), sharding.mesh_text, _op_spec(  # a reduce-scatter
+                [_spec_axes(axes) if dim == rows else dim_axes for dim, dim_axes in enumerate(ctx.spec)]))
         if ctx.summed:
             grad = grad.sum(dim=tuple(ctx.summed), keepdim=True)
         return grad, None, None, None, None
@@ -171,14 +174,75 @@ class _ToGlobal(torch.autograd.Function):
     """This device's shard -> the global tensor; the gradient goes back to the shard."""
 
     @staticmethod
-    def forward(ctx, t, mesh, spec, shape):
-        import torch_xla.distributed.spmd as xs
-
-        ctx.mesh, ctx.spec = mesh, spec
-        return xs.disable_manual_sharding(t, spec, torch.Size(shape), mesh=mesh).global_tensor
+    def forward(ctx, t, sharding, spec, shape):
+        ctx.sharding, ctx.spec = sharding, spec
+        return to_global(t, sharding.mesh_text, _op_spec(spec), list(shape))
 
     @staticmethod
     def backward(ctx, grad):
-        import torch_xla.distributed.spmd as xs
+        return to_local(grad.contiguous(), ctx.sharding.mesh_text, _op_spec(ctx.spec)), None, None, None
 
-        return xs.enable_manual_sharding(grad.contiguous(), ctx.spec, mesh=ctx.mesh).global_tensor, None, None, None
+
+# The custom ops take a partition spec as one string per dim: its mesh axes joined by commas, "" for none.
+
+
+def _op_spec(spec) -> list[str]:
+    return ["" if axes is None else axes if isinstance(axes, str) else ",".join(axes) for axes in spec]
+
+
+def _spec(op_spec: list[str]) -> tuple:
+    """Inverse of :func:`_op_spec`: a partition spec for torch_xla."""
+    return tuple(None if not axes else axes if "," not in axes else tuple(axes.split(",")) for axes in op_spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh(text: str):
+    """The mesh ``str(mesh)`` gave (torch_xla's own form for a mesh crossing an op boundary)."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.Mesh.from_str(text)
+
+
+@torch.library.custom_op("torchattn::to_local", mutates_args=(), schema="(Tensor t, str mesh, str[] spec) -> Tensor")
+def to_local(t: torch.Tensor, mesh: str, spec: list[str]) -> torch.Tensor:
+    """This device's shard of the global ``t``, cut by ``spec`` over ``mesh`` (a manual-sharding region's input;
+    ``t`` itself gets the annotation, as torch_xla's enable_manual_sharding gives it)."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.enable_manual_sharding(t, _spec(spec), mesh=_mesh(mesh)).global_tensor
+
+
+@to_local.register_fake
+def _(t, mesh, spec):
+    return t.new_empty([size // _ways(mesh, axes) for size, axes in zip(t.shape, spec)])
+
+
+def _ways(mesh: str, axes: str) -> int:
+    return ways(_mesh(mesh), tuple(axes.split(","))) if axes else 1
+
+
+@torch.library.custom_op("torchattn::to_global", mutates_args=(),
+                         schema="(Tensor t, str mesh, str[] spec, int[] shape) -> Tensor")
+def to_global(t: torch.Tensor, mesh: str, spec: list[str], shape: list[int]) -> torch.Tensor:
+    """The global tensor of ``shape`` whose shards, cut by ``spec`` over ``mesh``, are each device's ``t``."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.disable_manual_sharding(t, _spec(spec), torch.Size(shape), mesh=_mesh(mesh)).global_tensor
+
+
+@to_global.register_fake
+def _(t, mesh, spec, shape):
+    return t.new_empty(shape)
+
+
+@torch.library.custom_op("torchattn::annotate", mutates_args=(), schema="(Tensor t, str mesh, str[] spec) -> Tensor")
+def annotate(t: torch.Tensor, mesh: str, spec: list[str]) -> torch.Tensor:
+    """A copy of ``t`` that GSPMD lays out by ``spec`` over ``mesh``."""
+    import torch_xla.distributed.spmd as xs
+
+    return xs.mark_sharding(t.clone(), _mesh(mesh), _spec(spec)).global_tensor
+
+
+@annotate.register_fake
+def _(t, mesh, spec):
+    return torch.empty_like(t)

@@ -19,12 +19,34 @@ run on meta tensors on a machine without a TPU, which is how the suite checks th
 import contextlib
 import dataclasses
 import functools
+import glob
 import json
+import os
+import pathlib
 import warnings
 
 import torch
 
 NAMESPACE = "torchattn_tpu"
+_GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (and Google's virtual NICs) on the PCI bus
+
+
+def skip_metadata_server_without_tpu() -> None:
+    """On a machine with no TPU, tell libtpu not to ask for the TPU VM's metadata server.
+
+    With torch_tpu installed, torch (2.14 and later) imports it with torch itself and the first device count
+    (any autograd backward, even of CPU tensors) starts libtpu's client, which then retries the metadata server
+    for its TPU environment for about 10 minutes before giving up ("Failed to fetch URL after 30 tries (http
+    status: 403)"). ``TPU_SKIP_MDS_QUERY=1`` is libtpu's own switch for that; libtpu reads it when the client
+    starts, so setting it after ``import torch`` is in time. Left alone where the user set it, and wherever a
+    device of Google's PCI vendor id or a TPU device file is present: a TPU VM needs the metadata server for its
+    slice's topology."""
+    if "TPU_SKIP_MDS_QUERY" in os.environ or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        if pathlib.Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+            return
+    os.environ["TPU_SKIP_MDS_QUERY"] = "1"
 
 
 def call(role: str, spec, args) -> tuple[torch.Tensor, ...]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 
 
 def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> int:
@@ -32,11 +33,20 @@ def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> i
     # Not also to the root logger's handlers: importing torch_xla calls logging.basicConfig(), whose
     # stderr handler printed every warning a second time ("WARNING:train:...").
     propagate, log.propagate = log.propagate, False
+    # Warnings (skipped files, a backend's fallback) as one line each, as the trainer's own: Python's format adds
+    # the warning's file and line and the source line under it. Only for the command: a program that calls it
+    # keeps its own format.
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _one_line_warning
     try:
         return _run(argv, stop_at_step)
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
+        warnings.formatwarning = formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
 
 
 def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
@@ -45,9 +55,12 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         from .predict.cli import main as predict
 
         return predict(argv[1:])
+    from .compile_only import require_torch_xla
     from .config import ConfigError, parse_args
 
     try:
+        if not {"-h", "--help"} & set(argv):  # before parsing: an explicit --mesh reads torch_xla's devices
+            require_torch_xla()
         config = parse_args(argv, devices=_runtime_devices)
     except ConfigError as error:
         return _bad_input(error)
@@ -82,9 +95,11 @@ def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
         return 1
     finally:
         trainer.close()
+    # The task's headline metrics last, on lines of their own (not also in the table).
     results = trainer.task.result_rows(summary)
-    print(summary_table(summary, results))
-    print("\n".join(f"{name} {value}" for name, value in results if name in trainer.task.HEADLINE))
+    headline = [(name, value) for name, value in results if name in trainer.task.HEADLINE]
+    print(summary_table(summary, [row for row in results if row not in headline]))
+    print("\n".join(f"{name} {value}" for name, value in headline))
     return 0
 
 

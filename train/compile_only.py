@@ -52,7 +52,7 @@ import time
 
 import torch
 
-from torchattn import generations
+from torchattn import _versions, generations
 from torchattn.generations import GiB
 
 from . import build, tasks
@@ -92,6 +92,11 @@ class Row:
     flops: float = 0.0  # the compiler's cost analysis of the step (a Pallas kernel counts its cost_estimate)
     bytes_accessed: float = 0.0  # HBM bytes, by the same analysis
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiler gave its verdict: the step fits, or it said how many bytes it needs."""
+        return self.fits or bool(self.total_bytes)
+
 
 def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capacity: int) -> Row:
     """The row at ``layers`` from rows compiled at the two layer counts ``cuts``, linearly per layer;
@@ -109,6 +114,14 @@ def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capac
         temp_bytes=at("temp_bytes") if compiled else 0, output_bytes=at("output_bytes") if compiled else 0,
         total_bytes=total, compile_s=low.compile_s + high.compile_s, tpu_custom_calls=at("tpu_custom_calls"),
         error="" if compiled else (high.error or low.error), layers=layers, extrapolated_from=f"{a},{b}")
+
+
+def require_torch_xla() -> None:
+    """ConfigError unless torch_xla is installed: training, predicting and tracing a step for --compile-only run on
+    it, and TorchTPU's environment (.venv-current, docs/versions.md) has none, so each command says where to run."""
+    if importlib.util.find_spec("torch_xla") is None:
+        raise ConfigError(f"needs torch_xla (the trainer runs on torch_xla's stack), which this environment does not "
+                          f"have: run it in {_versions.VENVS['xla']} (built by `bash scripts/env.sh`)")
 
 
 def resolve_target(name: str, mesh: str | None = None) -> Target:
@@ -394,7 +407,8 @@ def _stop(signum, frame):
 
 
 def run(config: RunConfig) -> int:
-    """Compiles the step for every implementation and length, prints the table, writes the CSV.
+    """Compiles the step for every implementation and length, prints the table, writes the CSV; exit status 0, or 1
+    when no step compiled (python -m train refused it before, in one line, without torch_xla: require_torch_xla).
     Ctrl-C or SIGTERM stops it with one line on stderr and status 128 + the signal (130, 143), as it
     stops training; the CSV, replaced whole after every row, keeps the rows compiled before."""
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -469,6 +483,10 @@ def _sweep(config: RunConfig) -> int:
                 write_csv(rows, target, path)  # after every row: an interrupted sweep keeps what it compiled
     print(fitting(rows, target))  # the rows were printed as they came
     print(f"written: {path}")
+    if not any(row.compiled for row in rows):
+        print(f"python -m train: error: --compile-only: no step compiled (each row's error is in the table and in "
+              f"{path})", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -37,6 +37,7 @@ MESH_AXES = ("data", "fsdp", "context", "model")
 BATCH_AXES = ("data", "fsdp")
 SEQUENCE_AXIS = "context"
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
+CONFIG_SUFFIXES = (".toml", ".yaml", ".yml")  # --config's and recipe files' formats
 RECIPE_NAMES = tuple(sorted(name.removesuffix(".toml") for name in os.listdir(RECIPE_DIR) if name.endswith(".toml")))
 AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (parallel.default_mesh)
 MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
@@ -50,6 +51,11 @@ def first_line(error: Exception) -> str:
     """The first line of an exception's message (its type's name if it has none), for one-line errors."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def first_few(names: list[str]) -> str:
+    """The first three of ``names``, and "..." when there are more, for one-line messages."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def _doc(text: str, *, key: str | None = None, **kwargs) -> Any:
@@ -71,8 +77,15 @@ def _check(name: str, value, ok: bool, expected: str) -> None:
         raise ConfigError(f"{_flag(name)}: expected {expected}, got {value!r}")
 
 
-def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
-    _check(name, value, value in choices, "one of " + ", ".join(choices))
+def _check_recipe(value: str) -> None:
+    _check("recipe", value, value in RECIPES or _is_recipe_file(value),
+           f"one of {', '.join(RECIPES)} or a recipe file (.toml, .yaml or .yml)")
+
+
+def _is_recipe_file(value: str) -> bool:
+    """Whether --recipe's ``value`` names a recipe file of the user's (a config file) rather than a recipe of
+    train/recipes."""
+    return value not in RECIPES and value.lower().endswith(CONFIG_SUFFIXES)
 
 
 # ---------------------------------------------------------------------------
@@ -105,14 +118,15 @@ class _Group:
 class Run(_Group):
     """What the run is, how it is seeded, where it goes."""
 
-    recipe: str = _doc("named set of defaults: " + "|".join(RECIPE_NAMES), default="bbc-topics")
+    recipe: str = _doc("named set of defaults: " + "|".join(RECIPE_NAMES) + ", or the path of a recipe file of your "
+                       "own (the keys of --config; config.json records its absolute path)", default="bbc-topics")
     task: str = _doc("|".join(tasks.TASKS), default="classification")
     seed: int = _doc("seed of the split, the batch order, the weights' initialisation and dropout", default=0)
     output_dir: str | None = _doc("where everything goes (default: runs/<recipe>-<timestamp>)", default=None)
     resume: bool = _doc("continue from the latest checkpoint in --output-dir", default=False)
 
     def check(self) -> None:
-        self._choice("recipe", tuple(RECIPES))
+        _check_recipe(self.recipe)
         self._choice("task", tasks.TASKS)
 
 
@@ -361,11 +375,13 @@ class RunConfig:
         return {key: getattr(getattr(self, group), field.name) for key, (group, field) in FIELDS.items()}
 
     def with_output_dir(self) -> "RunConfig":
-        """This config with --output-dir resolved (runs/<recipe>-<timestamp> when not given)."""
+        """This config with --output-dir resolved (runs/<recipe>-<timestamp> when not given; a recipe file's name
+        without its folder and extension)."""
         if self.run.output_dir is not None:
             return self
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        output_dir = os.path.join("runs", f"{self.run.recipe}-{stamp}")
+        recipe = os.path.splitext(os.path.basename(self.run.recipe))[0]
+        output_dir = os.path.join("runs", f"{recipe}-{stamp}")
         return dataclasses.replace(self, run=dataclasses.replace(self.run, output_dir=output_dir))
 
 
@@ -451,10 +467,11 @@ def _from_file_value(name: str, value: Any, path: str) -> Any:
     return value
 
 
-def read_config_file(path: str) -> dict[str, Any]:
-    """Keys and values of a TOML (.toml) or YAML (.yaml/.yml) file, checked against RunConfig."""
+def read_config_file(path: str, flag: str = "--config") -> dict[str, Any]:
+    """Keys and values of a TOML (.toml) or YAML (.yaml/.yml) file, checked against RunConfig; errors name ``flag``
+    (--config, or --recipe for a recipe file)."""
     if not os.path.isfile(path):
-        raise ConfigError(f"--config: no such file: {path}")
+        raise ConfigError(f"{flag}: no such file: {path}")
     extension = os.path.splitext(path)[1].lower()
     try:
         if extension == ".toml":
@@ -468,22 +485,22 @@ def read_config_file(path: str) -> dict[str, Any]:
             with open(path, encoding="utf-8") as f:
                 data = yaml.safe_load(f)
         else:
-            raise ConfigError(f"--config: expected a .toml, .yaml or .yml file, got {path}")
+            raise ConfigError(f"{flag}: expected a .toml, .yaml or .yml file, got {path}")
     except ConfigError:
         raise
     except Exception as error:  # tomllib.TOMLDecodeError, yaml.YAMLError: report, don't trace
         detail = " ".join(str(error).split())
-        raise ConfigError(f"--config: {path} is not valid {extension[1:].upper()}: {detail}") from None
+        raise ConfigError(f"{flag}: {path} is not valid {extension[1:].upper()}: {detail}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"--config: {path} must hold key = value pairs at the top level, "
+        raise ConfigError(f"{flag}: {path} must hold key = value pairs at the top level, "
                           f"got a {type(data).__name__}")
     values = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in FIELDS:
-            raise ConfigError(f"--config: {path}: unknown key {key!r}; known keys: "
+            raise ConfigError(f"{flag}: {path}: unknown key {key!r}; known keys: "
                               + ", ".join(n.replace("_", "-") for n in FIELDS))
         values[name] = _from_file_value(name, value, path)
     return values
@@ -492,6 +509,18 @@ def read_config_file(path: str) -> dict[str, Any]:
 # Recipes, each a config file in train/recipes (its name the file's): read like --config FILE.
 RECIPES: dict[str, dict[str, Any]] = {name: read_config_file(os.path.join(RECIPE_DIR, f"{name}.toml"))
                                       for name in RECIPE_NAMES}
+
+
+def _recipe_values(recipe: str) -> dict[str, Any]:
+    """The values --recipe sets: a recipe of train/recipes by name, or those of a recipe file."""
+    _check_recipe(recipe)
+    if recipe in RECIPES:
+        return RECIPES[recipe]
+    values = read_config_file(recipe, flag="--recipe")
+    for key in ("recipe", "resume"):  # another recipe, or a resume, which replaces the recipe by the saved run's
+        if key in values:
+            raise ConfigError(f"--recipe: {recipe}: expected a run's defaults, not {key}; got {key} = {values[key]!r}")
+    return values
 
 
 class Parser(argparse.ArgumentParser):
@@ -561,8 +590,9 @@ def parse_args(argv: list[str] | None = None, *,
                 mesh=explicit["mesh"]).context > 1
     else:
         recipe = explicit.get("recipe", FIELDS["recipe"][1].default)
-        _check_choice("recipe", recipe, tuple(RECIPES))
-        base = dict(RECIPES[recipe], recipe=recipe)
+        base = dict(_recipe_values(recipe), recipe=recipe)
+    if _is_recipe_file(explicit.get("recipe", "")):  # the file it is, wherever the run is resumed or read from
+        explicit["recipe"] = os.path.abspath(explicit["recipe"])
     values = {**base, **explicit}
     parallel = Parallel(mesh=values.get("mesh", AUTO_MESH))
     if devices is not None and parallel.explicit and values.get("compile_only") is None:
@@ -597,6 +627,17 @@ def saved_config(output_dir: str) -> dict[str, Any]:
     return {name: value for name, value in saved.items() if name in FIELDS and name != "resume"}
 
 
+def is_run_config(path: str) -> bool:
+    """Whether the file ``path`` is a run's config.json: a JSON object holding the settings that say what its
+    checkpoints mean (FIXED_ON_RESUME, written by every run). A saved model's config.json is not one."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and all(name in saved for name in FIXED_ON_RESUME)
+
+
 def resume_changes(saved: dict[str, Any], config: RunConfig) -> dict[str, tuple[Any, Any]]:
     """{flat key: (saved value, new value)} for each setting ``config`` changes from the saved run's.
 
@@ -610,11 +651,19 @@ def resume_changes(saved: dict[str, Any], config: RunConfig) -> dict[str, tuple[
     if "mesh" in changes and config.parallel.mesh is not None:
         refused.append("mesh")
     if refused:
-        raise ConfigError("--resume: " + "; ".join(f"{_flag(name)} {changes[name][1]!r} differs from the run's "
-                                                   f"{changes[name][0]!r}" for name in refused)
+        raise ConfigError("--resume: " + "; ".join(_changed(name, *changes[name]) for name in refused)
                           + ": the checkpoints were written for the run's settings; drop these flags or start a "
                             "new run in another --output-dir")
     return changes
+
+
+def _changed(name: str, saved, new) -> str:
+    """One setting a resume changes, in words: a setting the run or this command did not give is "no --flag"."""
+    if saved is None:
+        return f"{_flag(name)} {new!r} where the run had no {_flag(name)}"
+    if new is None:
+        return f"no {_flag(name)} where the run had {_flag(name)} {saved!r}"
+    return f"{_flag(name)} {new!r} differs from the run's {saved!r}"
 
 
 def save_config(config: RunConfig, path: str) -> None:

@@ -17,7 +17,7 @@ import warnings
 
 import datasets
 
-from .config import first_line
+from .config import first_few, first_line
 from .errors import DataError
 
 BUILTIN_DATASETS = ("bbc-news", "sotu")
@@ -63,10 +63,12 @@ def _read_text(path: pathlib.Path, flag: str = "--dataset") -> str:
 def _text_folder(root: pathlib.Path, flag_value: str, flag: str = "--dataset") -> datasets.Dataset:
     """root/<label>/<name>.txt -> columns "text", "label", "path" (label names sorted, files sorted); a folder
     with no such sub-folder, root/<name>.txt -> "text", "path" (files sorted). "path" is the file's path
-    inside root, "<label>/<name>.txt" or "<name>.txt".
+    inside root, "<label>/<name>.txt" or "<name>.txt". A folder with .txt files at both levels, or deeper, is
+    refused: either reading would leave some of its documents out.
 
     Hidden entries (names starting with "."): folders such as .ipynb_checkpoints, files such as
-    .hidden.txt or macOS's ._<name>.txt, are no labels or documents: skipped, with one warning."""
+    .hidden.txt or macOS's ._<name>.txt, are no labels or documents: skipped, with one warning naming
+    those of both levels."""
     hidden: list[str] = []
 
     def visible(entries: list[pathlib.Path], prefix: str) -> list[pathlib.Path]:
@@ -76,22 +78,43 @@ def _text_folder(root: pathlib.Path, flag_value: str, flag: str = "--dataset") -
     def text_files(folder: pathlib.Path, prefix: str) -> list[pathlib.Path]:
         return visible(sorted(p for p in folder.iterdir() if p.suffix == ".txt" and p.is_file()), prefix)
 
+    files = text_files(root, "")
     labelled = [(folder.name, file) for folder in visible(sorted(p for p in root.iterdir() if p.is_dir()), "")
                 for file in text_files(folder, folder.name + "/")]
+    if files and labelled:
+        raise DataError(_mixed_folder(flag, flag_value, files, sorted({label for label, _ in labelled})))
+    deeper = sorted(str(p.relative_to(root)) for p in root.glob("*/*/**/*.txt")
+                    if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    if deeper:
+        raise DataError(f"{flag}: folder {flag_value!r} holds {_count(len(deeper), '.txt file')} in folders below "
+                        f"its label folders ({first_few(deeper)}), which would be left out: expected <folder>/<label>/"
+                        f"<name>.txt or <folder>/<name>.txt; move them up a level")
     if labelled:
         columns = {"text": [_read_text(file, flag) for _, file in labelled],
                    "label": [label for label, _ in labelled],
                    "path": [f"{label}/{file.name}" for label, file in labelled]}
     else:
-        files = text_files(root, "")
         columns = {"text": [_read_text(file, flag) for file in files], "path": [file.name for file in files]}
     if hidden:
         warnings.warn(f"data: skipped {len(hidden)} hidden files and folders of {flag_value!r} (names starting "
-                      f"with '.'): {', '.join(hidden[:3])}{', ...' if len(hidden) > 3 else ''}", stacklevel=4)
+                      f"with '.'): {first_few(hidden)}", stacklevel=4)
     if not columns["text"]:
         raise DataError(f"{flag}: folder {flag_value!r} has no .txt files (expected <folder>/<label>/<name>.txt, "
                         f"or <folder>/<name>.txt)")
     return datasets.Dataset.from_dict(columns)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' * (number != 1)}"
+
+
+def _mixed_folder(flag: str, flag_value: str, files: list[pathlib.Path], labels: list[str]) -> str:
+    """The refusal of a folder holding .txt files both at its top level and in sub-folders, and how to read either."""
+    return (f"{flag}: folder {flag_value!r} holds {_count(len(files), '.txt file')} at its top level "
+            f"({first_few([file.name for file in files])}) and {_count(len(labels), 'sub-folder')} of .txt files "
+            f"({first_few([label + '/' for label in labels])}): either reading would leave documents out; move the "
+            f"top-level files into a label folder to read it labelled, or point {flag} at a folder without the "
+            f"sub-folders to read the flat files")
 
 
 def _bbc_news() -> dict[str, datasets.Dataset]:

@@ -32,9 +32,10 @@ import numpy as np
 import torch
 
 from . import build, checkpoint, metrics
-from .config import CONFIG_FILE, ConfigError, RunConfig, resume_changes, save_config, saved_config
+from .config import (CONFIG_FILE, ConfigError, RunConfig, first_few, is_run_config, resume_changes, save_config,
+                     saved_config)
 from .guards import CompileWatch, MemoryWatch, TracingTimer, peak_host_rss
-from .lock import LockedError, RunLock
+from .lock import FILE as LOCK_FILE, LockedError, RunLock
 from .parallel import Spmd
 
 log = logging.getLogger("train")
@@ -171,6 +172,7 @@ class Trainer:
         self.checkpointer = checkpoint.Checkpointer(config.run.output_dir, every=config.checkpoint.save_steps,
                                                     keep=config.checkpoint.keep_checkpoints, writer=self.is_main,
                                                     sharded=self.spmd is not None)
+        self._refuse_other_files()  # before the lock, whose file would be the first written there
         if self.is_main and os.path.isdir(config.run.output_dir):
             self._take_lock()  # before its files are read: no other run writes them meanwhile
         self._resume_changes = resume_changes(saved_config(config.run.output_dir), config) if config.run.resume else {}
@@ -249,6 +251,23 @@ class Trainer:
             factors = [factor(self.scheduler.last_epoch) for factor in self.scheduler.lr_lambdas]
             for group, factor in zip(self.optimizer.param_groups, factors):
                 group["lr"] = lr * factor
+
+    def _refuse_other_files(self) -> None:
+        """Refuses an --output-dir that is a file, or a folder holding anything but a run of this trainer (its
+        config.json or checkpoints) and a stale lock: the run would write its config.json, metrics.jsonl and
+        model/ among the files there, e.g. over a saved model's config.json."""
+        output_dir = self.config.run.output_dir
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise ConfigError(f"--output-dir: {output_dir} is a file, not a folder; pick a new or empty folder")
+        if not os.path.isdir(output_dir):
+            return
+        entries = sorted(name + "/" * os.path.isdir(os.path.join(output_dir, name))
+                         for name in os.listdir(output_dir) if name != LOCK_FILE)
+        if not entries or is_run_config(os.path.join(output_dir, CONFIG_FILE)) or self.checkpointer.latest():
+            return
+        raise ConfigError(f"--output-dir: {output_dir} holds {first_few(entries)} ({len(entries)} entries), not a run "
+                          "of python -m train: a run would write its config.json, metrics.jsonl and model/ among them; "
+                          "pick a new or empty folder")
 
     def _check_output_dir(self) -> str | None:
         """The checkpoint to resume from; refuses a folder holding another run's checkpoints."""

@@ -5,8 +5,9 @@
     python -m train predict --model minilm --task embed --input docs.jsonl --output vectors.parquet
     python -m train predict --model minilm --batch-tokens 2048 --compile-only v5e
 
-A bad input stops before anything is written, with one line on stderr and exit status 2. SIGTERM or
-Ctrl-C stops after the step in flight, keeping the shards written; the same command resumes.
+A bad input stops before anything is written, with one line on stderr and exit status 2; so does an environment
+without torch_xla (.venv-current), naming the one to use. SIGTERM or Ctrl-C stops after the step in flight, keeping
+the shards written; the same command resumes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import signal
 import sys
 
+from ..compile_only import require_torch_xla
 from ..config import ConfigError
 from ..errors import DataError, ModelError
 from .config import parse_args
@@ -25,6 +27,7 @@ def main(argv: list[str]) -> int:
     """The whole command; returns the process exit status."""
     try:
         config = parse_args(argv)
+        require_torch_xla()
     except ConfigError as error:
         return _bad_input(error)
     if config.compile_only is not None:  # plan a TPU job: HBM per chip from the TPU compiler, nothing predicted

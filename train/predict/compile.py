@@ -50,8 +50,8 @@ def run(config: PredictConfig) -> int:
     head_class = heads.head_class(task)
     head_class.check(model_config, config.model)
     tokenizer = models.load_tokenizer(config.model, where, load)
-    max_length, batch_tokens, _ = lengths(config, models.max_positions(model_config),
-                                          windows.Cut.of(tokenizer).specials, not head_class.SPECIALS_PER_WINDOW)
+    max_length, batch_tokens, _, _ = lengths(config, models.max_positions(model_config),
+                                             windows.Cut.of(tokenizer).specials, not head_class.SPECIALS_PER_WINDOW)
     model_config.pad_token_id = tokenizer.pad_token_id
     per_row, rows = batch_tokens // max_length, config.rows_per_device
     print(f"compile-only: {config.model} ({task}), --attn {config.attn}, float32; {rows} row{'s' * (rows > 1)} of "

@@ -5,9 +5,11 @@ by :func:`lengths` once its configuration is read."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from typing import NamedTuple
 
-from ..config import ATTNS, AUTO_MESH, ConfigError, Parser, mesh_axes
+from ..config import ATTNS, AUTO_MESH, CONFIG_FILE, ConfigError, Parser, is_run_config, mesh_axes
 from .heads import TASKS
 from .shards import FORMATS
 from .windows import CHUNK, LONG, TRUNCATE
@@ -58,12 +60,38 @@ class PredictConfig:
             mesh_axes(self.mesh)
 
 
-def lengths(config: PredictConfig, position_limit: int | None, specials: int, lm_windows: bool
-            ) -> tuple[int, int, int | None]:
-    """(max_length, batch_tokens, stride) with defaults settled for a model of ``position_limit`` positions whose
-    tokenizer adds ``specials`` special tokens to a text; ``lm_windows``: windows are stretches of the whole
-    token sequence (a causal LM's, windows.py), not framed text. ConfigError naming the flag otherwise."""
-    max_length = config.max_length or min(DEFAULT_MAX_LENGTH, position_limit or DEFAULT_MAX_LENGTH)
+class Lengths(NamedTuple):
+    max_length: int
+    batch_tokens: int
+    stride: int | None
+    max_length_from: str  # where --max-length came from, in words: the flag, the run's config.json, a default
+
+
+def run_max_length(model: str) -> tuple[int, str] | None:
+    """(the --max-length, the config.json it is read from) when ``model`` is a python -m train run's ``model/``
+    folder, which the run's config.json sits beside; None for any other model."""
+    folder = os.path.normpath(model)
+    path = os.path.join(os.path.dirname(folder), CONFIG_FILE)
+    if os.path.basename(folder) != "model" or not os.path.isdir(folder) or not is_run_config(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["max_length"], path
+
+
+def lengths(config: PredictConfig, position_limit: int | None, specials: int, lm_windows: bool) -> Lengths:
+    """The lengths with defaults settled for a model of ``position_limit`` positions whose tokenizer adds
+    ``specials`` special tokens to a text; ``lm_windows``: windows are stretches of the whole token sequence (a
+    causal LM's, windows.py), not framed text. --max-length's default is the length a python -m train run's
+    model was trained at (its documents read as in training), else DEFAULT_MAX_LENGTH or the model's limit if
+    lower. ConfigError naming the flag otherwise."""
+    if config.max_length is not None:
+        max_length, origin = config.max_length, "--max-length"
+    elif (trained := run_max_length(config.model)) is not None:
+        max_length, origin = trained[0], f"the run's --max-length, {trained[1]}"
+    elif position_limit is not None and position_limit < DEFAULT_MAX_LENGTH:
+        max_length, origin = position_limit, "the model's position limit"
+    else:
+        max_length, origin = DEFAULT_MAX_LENGTH, "the default"
     if position_limit is not None and max_length > position_limit:
         raise ConfigError(f"--max-length: expected at most {position_limit} (the position limit of --model "
                           f"{config.model!r}), got {max_length}")
@@ -84,7 +112,7 @@ def lengths(config: PredictConfig, position_limit: int | None, specials: int, lm
             raise ConfigError(f"--stride: expected at most {most} (the document tokens of a window, "
                               f"{'less one token of context' if lm_windows else 'after the special tokens'}), "
                               f"got {stride}")
-    return max_length, batch_tokens, stride
+    return Lengths(max_length, batch_tokens, stride, origin)
 
 
 def build_parser() -> Parser:
@@ -102,7 +130,8 @@ def build_parser() -> Parser:
     add("--batch-tokens", type=int, help="tokens of a packed row (default max"
                                          f"({DEFAULT_BATCH_TOKENS}, --max-length))")
     add("--rows-per-device", type=int, default=1, help="packed rows each device runs per step (default 1)")
-    add("--max-length", type=int, help="tokens of a document the model reads at once (default "
+    add("--max-length", type=int, help="tokens of a document the model reads at once (default: a python -m train "
+                                       "run's own for its model/ folder, else "
                                        f"{DEFAULT_MAX_LENGTH}, or the model's limit if lower)")
     add("--mesh", default=AUTO_MESH, help="devices as in training (data=4, fsdp=2,data=2, ...); none: one device; "
                                           "auto (default): data over every device of the host")

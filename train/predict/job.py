@@ -27,7 +27,7 @@ from ..packing import pack_whole
 from . import documents as documents_module
 from . import heads, manifest, shards, windows
 from .config import PredictConfig, lengths
-from .report import Progress
+from .report import MEASURED_STEPS, Progress
 
 
 class Interrupted(Exception):
@@ -56,6 +56,7 @@ class Job:
     def __init__(self, config: PredictConfig):
         """Checks every input and loads the model; writes nothing. ConfigError, DataError or ModelError (one
         line each) for bad input."""
+        shards.check_writable(config.output)  # before anything loads: writing is what the run is for
         import datasets
         import transformers
 
@@ -70,7 +71,7 @@ class Job:
         self.tokenizer = models.load_tokenizer(config.model, where, load)
         self.frame = windows.Cut.of(self.tokenizer)
         self.specials_per_window = head_class.SPECIALS_PER_WINDOW
-        self.max_length, self.batch_tokens, self.stride = lengths(
+        self.max_length, self.batch_tokens, self.stride, self.max_length_from = lengths(
             config, models.max_positions(model_config), self.frame.specials, not self.specials_per_window)
         _check_window(model_config, config.attn, self.max_length)
         self.documents = documents_module.read(config.input, text_column=config.text_column)
@@ -115,17 +116,19 @@ class Job:
         if skipped:
             print(f"resuming: {skipped} of this process's {len(mine)} shards are written; predicting the other "
                   f"{len(pending)}", flush=True)
-        progress = Progress(sum(self._shard_span(index).stop - self._shard_span(index).start for index in pending))
+        progress = Progress(sum(len(self._shard_span(index)) for index in pending),
+                            earlier=sum(len(self._shard_span(index)) for index in mine if index not in pending))
         handlers = {}  # torch_xla's xmp.spawn runs a process's work in a thread, where no handler can be set
         if threading.current_thread() is threading.main_thread():
             handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-        steady_tokens, steady_seconds = 0, 0.0  # of the steps that compiled nothing
+        steady_steps, steady_tokens, steady_seconds = 0, 0, 0.0  # of the steps that compiled nothing
         try:
             last = time.perf_counter()
             for (shard, step), outputs, compiled in self.runner.run(self._steps(pending)):
                 now = time.perf_counter()
                 tokens, padding, finished = self._take(shard, step, outputs)
                 if not compiled:
+                    steady_steps += 1
                     steady_tokens, steady_seconds = steady_tokens + tokens, steady_seconds + now - last
                 last = now
                 progress.step(documents=finished, tokens=tokens, padding=padding)
@@ -142,10 +145,12 @@ class Job:
                       f"this process's shards are written ({self.output.folder}); {self.config.output} is put "
                       "together when every process's are")
         compiles = self.runner.compiles
-        return {"documents": progress.documents, "tokens": progress.tokens,
+        return {"documents": progress.documents, "documents_earlier": progress.earlier, "tokens": progress.tokens,
+                "max_length": self.max_length, "max_length_from": self.max_length_from,
                 "padding_share": progress.padding / max(progress.tokens + progress.padding, 1),
                 "compiles_warmup": compiles.warmup, "compiles_after_warmup": compiles.after_warmup,
-                "tokens_per_s": steady_tokens / steady_seconds if steady_seconds else None,
+                "steps_after_warmup": steady_steps,
+                "tokens_per_s": steady_tokens / steady_seconds if steady_steps >= MEASURED_STEPS else None,
                 "peak_host_bytes": peak_host_rss(), "peak_device_bytes": MemoryWatch(self.runner.device).peak_device(),
                 "devices": self.runner.description, "output": self.config.output}
 

@@ -68,15 +68,43 @@ def check(saved: dict, own: dict, output: str) -> None:
     if saved.get("version") != VERSION:
         raise ConfigError(f"--output: {folder} was written by another version of python -m train predict; "
                           + start_over)
-    if saved["model"]["sha256"] != own["model"]["sha256"]:
-        raise ConfigError(f"--output: {output} holds predictions of another model ({saved['model']['name']!r}, not "
-                          f"--model {own['model']['name']!r}); " + start_over)
-    if saved["input"]["sha256"] != own["input"]["sha256"]:
-        raise ConfigError(f"--output: {output} holds predictions for other documents ({saved['input']['documents']} "
-                          f"from {saved['input']['source']!r}, not the {own['input']['documents']} of --input "
-                          f"{own['input']['source']!r}); " + start_over)
-    changed = [name for name in SETTINGS if saved["settings"].get(name) != own["settings"][name]]
+    changed = (_model_change(saved["model"], own["model"]) or _documents_change(saved["input"], own["input"])
+               or _settings_change(saved["settings"], own["settings"]))
     if changed:
-        raise ConfigError("--output: " + "; ".join(
-            f"--{name.replace('_', '-')} {own['settings'][name]!r} differs from the {saved['settings'].get(name)!r} "
-            f"{output} is written with" for name in changed) + "; " + start_over)
+        raise ConfigError(f"--output: {output} {changed}; {start_over}")
+
+
+def _model_change(saved: dict, own: dict) -> str | None:
+    """How the output's model differs from --model, in words; None when it does not."""
+    if saved["sha256"] == own["sha256"]:
+        return None
+    if saved["name"] == own["name"]:
+        return f"holds predictions of --model {own['name']!r} as its files were: they changed since"
+    return f"holds predictions of another model ({saved['name']!r}, not --model {own['name']!r})"
+
+
+def _documents_change(saved: dict, own: dict) -> str | None:
+    """How the output's documents differ from --input's, in words; None when they do not."""
+    if saved["sha256"] == own["sha256"]:
+        return None
+    if saved["source"] != own["source"]:
+        return (f"holds predictions for other documents ({saved['documents']} from {saved['source']!r}, not the "
+                f"{own['documents']} of --input {own['source']!r})")
+    if saved["documents"] != own["documents"]:
+        return (f"holds predictions for --input {own['source']!r} as it was: it had {saved['documents']} documents, "
+                f"it has {own['documents']} now")
+    return (f"holds predictions for --input {own['source']!r} as it was: the texts or ids of its {own['documents']} "
+            "documents changed since")
+
+
+def _settings_change(saved: dict, own: dict) -> str | None:
+    """The settings the output was written with and this run's, where they differ, in words; None when none do."""
+    changed = [name for name in SETTINGS if saved.get(name) != own[name]]
+    if not changed:
+        return None
+
+    def words(settings: dict) -> str:  # "--max-length 64"; "no --stride" for one not set (no windows cut)
+        said = [(f"--{name.replace('_', '-')}", settings.get(name)) for name in changed]
+        return " and ".join(f"no {flag}" if value is None else f"{flag} {value}" for flag, value in said)
+
+    return f"is written with {words(saved)}, not {words(own)}"

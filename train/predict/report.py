@@ -8,13 +8,20 @@ import time
 
 from ..metrics import Bar, format_bytes, table
 
+# The fewest steps after warm-up a tokens/s is given for: the host reads each step's outputs while the next one runs
+# (runner.py), so the clock may be off by up to a step's time, at most a tenth of ten steps'.
+MEASURED_STEPS = 10
+
 
 class Progress(Bar):
     """One updating line on a terminal; otherwise (a file, CI) a line per shard written."""
 
-    def __init__(self, documents: int, stream=None):
+    def __init__(self, documents: int, stream=None, *, earlier: int = 0):
+        """``documents``: those this run predicts; ``earlier``: those of the shards written before it (a resumed
+        run's), counted into the totals shown."""
         super().__init__(stream or sys.stdout)
         self.total = documents
+        self.earlier = earlier
         self.started = time.perf_counter()
         self.documents = self.tokens = self.padding = 0
 
@@ -32,19 +39,23 @@ class Progress(Bar):
 
     def _text(self) -> str:
         seconds = max(time.perf_counter() - self.started, 1e-9)
-        return (f"{self.documents:,}/{self.total:,} documents {self.documents / seconds:,.1f} documents/s "
-                f"{self.tokens / seconds:,.0f} tokens/s")
+        done = f"{self.documents:,}/{self.total:,} documents"
+        if self.earlier:
+            done += f" this run, {self.earlier + self.documents:,}/{self.earlier + self.total:,} in all;"
+        return f"{done} {self.documents / seconds:,.1f} documents/s {self.tokens / seconds:,.0f} tokens/s"
 
 
 def summary_table(summary: dict) -> str:
     """The summary printed at the end of a run."""
-    tokens_per_s = summary["tokens_per_s"]
+    documents, earlier, tokens_per_s = summary["documents"], summary["documents_earlier"], summary["tokens_per_s"]
     rows = [
-        ("documents", f"{summary['documents']:,}"),
+        ("documents", f"{documents:,} this run, {earlier + documents:,} in all" if earlier else f"{documents:,}"),
         ("tokens", f"{summary['tokens']:,}"),
+        ("max length", f"{summary['max_length']} ({summary['max_length_from']})"),
         ("padding share", f"{summary['padding_share']:.1%}"),
         ("compilations: warm-up / after", f"{summary['compiles_warmup']} / {summary['compiles_after_warmup']}"),
-        ("tokens/s (after warm-up)", f"{tokens_per_s:,.0f}" if tokens_per_s else "n/a (no step after warm-up)"),
+        ("tokens/s (after warm-up)", f"{tokens_per_s:,.0f}" if tokens_per_s is not None else
+         f"n/a: too few steps to measure ({summary['steps_after_warmup']} after warm-up; it takes {MEASURED_STEPS})"),
         ("peak host memory (RSS)", format_bytes(summary["peak_host_bytes"])),
         ("peak device memory", format_bytes(summary["peak_device_bytes"])),
         ("devices", summary["devices"]),

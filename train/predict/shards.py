@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 
 from .. import durable
 from ..config import ConfigError
@@ -25,6 +26,24 @@ from . import manifest
 
 FORMATS = (".jsonl", ".parquet")
 NEW, RESUME, COMPLETE = "new", "resume", "complete"
+
+
+def check_writable(path: str) -> None:
+    """ConfigError naming --output unless this process can write the output ``path`` and its shards' folder beside
+    it: a nameless file made and dropped in the nearest folder of each that exists answers as the filesystem does
+    (read-only, no permission, a file where a folder must be), whoever the process runs as."""
+    nearest = []
+    for target in (f"{path}.predict", os.path.dirname(os.path.abspath(path))):
+        target = os.path.abspath(target)
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        nearest.append(target)
+    for folder in dict.fromkeys(nearest):
+        try:
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as error:
+            raise ConfigError(f"--output: expected a file this process can write, got {path!r} ({folder}: "
+                              f"{error.strerror})") from None
 
 
 class Output:

@@ -25,7 +25,7 @@ branches on the task's name:
     Evaluation()                                    .add(outputs, inputs) per batch, .result() -> the metrics
     summary(first_eval, final_eval) -> dict         extra fields of the run's summary
     result_rows(summary) -> [(name, value)]         its metrics' rows of the summary table
-    HEADLINE: tuple[str, ...]                       the rows python -m train prints again last
+    HEADLINE: tuple[str, ...]                       the rows python -m train prints last, below its table
     plot_eval(axis, eval_records)                   its metrics on the loss plot (loss.png)
 
 A new task is a new module here plus a recipe (train/recipes/). The modules are imported only when

@@ -241,7 +241,7 @@ def result_rows(summary: dict) -> list[tuple[str, str]]:
     return [("accuracy", f"{summary['accuracy']:.4f}"), ("macro-F1", f"{summary['macro_f1']:.4f}")]
 
 
-HEADLINE = ("accuracy", "macro-F1")  # the rows python -m train prints again last
+HEADLINE = ("accuracy", "macro-F1")  # the rows python -m train prints last, below its table
 
 
 def plot_eval(axis, evals: list[dict]) -> None:

@@ -191,7 +191,7 @@ def result_rows(summary: dict) -> list[tuple[str, str]]:
     return before + [("perplexity", f"{summary['perplexity']:.3f}")]
 
 
-HEADLINE = ("perplexity",)  # the row python -m train prints again last
+HEADLINE = ("perplexity",)  # the row python -m train prints last, below its table
 
 
 def plot_eval(axis, evals: list[dict]) -> None:

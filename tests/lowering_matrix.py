@@ -7,6 +7,7 @@ import torch
 
 from torchattn import kernel_calls
 from torchattn.block_sizes import BlockSizes
+from torchattn.kernels import COMPILED
 from torchattn.request import Options, Tensors
 
 FEATURES = {
@@ -32,7 +33,7 @@ def spec(head_dim=64, dtype="float32", q_heads=4, kv_heads=2, q_len=200, kv_len=
     tensors = Tensors(q=q, k=k, v=k, segment_ids=ids[0], kv_segment_ids=ids[1],
                       bias=None if bias_t is None else bias_t.requires_grad_(), dropout_key=None,
                       row_offsets=None)
-    return kernel_calls.kernel_spec(tensors, options, block_q, block_kv, interpret=False)
+    return kernel_calls.kernel_spec(tensors, options, block_q, block_kv, mode=COMPILED)
 
 
 LOWERING_MATRIX = (

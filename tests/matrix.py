@@ -31,9 +31,14 @@ PARAMETERS = {
 
 
 def pairwise_cases(seed: int = 0, candidates: int = 40) -> list[Case]:
-    names = list(PARAMETERS)
+    return [case_of(values) for values in pairwise(PARAMETERS, seed, candidates)]
+
+
+def pairwise(parameters: dict[str, list], seed: int = 0, candidates: int = 40) -> list[dict]:
+    """Picks of one value per parameter (name -> value) in which every pair of values of two parameters meets."""
+    names = list(parameters)
     uncovered = {((a, i), (b, j)) for a, b in itertools.combinations(names, 2)
-                 for i in range(len(PARAMETERS[a])) for j in range(len(PARAMETERS[b]))}
+                 for i in range(len(parameters[a])) for j in range(len(parameters[b]))}
     rng = random.Random(seed)
     chosen = []
     while uncovered:
@@ -41,25 +46,25 @@ def pairwise_cases(seed: int = 0, candidates: int = 40) -> list[Case]:
         (a, i), (b, j) = min(uncovered)
         best, best_gain = None, -1
         for _ in range(candidates):
-            pick = {n: rng.randrange(len(PARAMETERS[n])) for n in names}
+            pick = {n: rng.randrange(len(parameters[n])) for n in names}
             pick[a], pick[b] = i, j
             gain = sum(((x, pick[x]), (y, pick[y])) in uncovered for x, y in itertools.combinations(names, 2))
             if gain > best_gain:
                 best, best_gain = pick, gain
         uncovered -= {((x, best[x]), (y, best[y])) for x, y in itertools.combinations(names, 2)}
         chosen.append(best)
-    return [_case({n: PARAMETERS[n][k] for n, k in pick.items()}) for pick in chosen]
+    return [{n: parameters[n][k] for n, k in pick.items()} for pick in chosen]
 
 
 def drawn_cases(seed: int, count: int, **fixed) -> list[Case]:
     """``count`` cases with every parameter drawn at random with ``seed`` (those in ``fixed`` set): shapes and
     features no kernel change was measured or tuned on, for checking a change of arithmetic on held-out calls."""
     rng = random.Random(seed)
-    return [_case({name: fixed[name] if name in fixed else rng.choice(values) for name, values in PARAMETERS.items()})
+    return [case_of({name: fixed[name] if name in fixed else rng.choice(values) for name, values in PARAMETERS.items()})
             for _ in range(count)]
 
 
-def _case(values) -> Case:
+def case_of(values: dict) -> Case:
     (q_len, kv_len), (q_heads, kv_heads) = values.pop("lengths"), values.pop("heads")
     batch = 1 if max(q_len, kv_len) >= 1000 else 2  # keeps the long cases cheap on CPU
     return Case(batch=batch, q_len=q_len, kv_len=kv_len, q_heads=q_heads, kv_heads=kv_heads, **values)

@@ -152,7 +152,7 @@ def _grads(fn, q, k, v, do, dlse, bias):
     return out.detach(), None if lse is None else lse.detach(), grads
 
 
-FLOAT32_COMPUTE = ("pallas", "interpret", "xla")  # backends that accumulate in float32 whatever the dtype
+FLOAT32_COMPUTE = ("pallas", "interpret", "simulated", "xla")  # backends that accumulate in float32 whatever the dtype
 
 
 def exact_from(q, k, v, bias=None, **kwargs):

@@ -25,7 +25,7 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 import torchattn  # noqa: E402
 from torchattn import api, backends, devices, kernel_calls, spmd, torchtpu  # noqa: E402
 from torchattn.aot import compiler  # noqa: E402
-from torchattn.kernels import ROLES, kernel_function  # noqa: E402
+from torchattn.kernels import COMPILED, ROLES, kernel_function  # noqa: E402
 from matrix import pairwise_cases  # noqa: E402
 from numerics import check_backend  # noqa: E402
 
@@ -104,7 +104,7 @@ def test_the_ops_are_registered_with_their_schema():
 def test_the_spec_argument_gives_back_the_same_spec(case):
     tensors, options = _op_tensors(_meta_request(case))
     spec = kernel_calls.kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv,
-                                    interpret=False)
+                                    mode=COMPILED)
     text = torchtpu.spec_text(spec)
     assert torchtpu.kernel_spec(text) == spec
     assert torchtpu.spec_text(torchtpu.kernel_spec(text)) == text
@@ -286,3 +286,43 @@ def _other_vendor(tmp_path) -> str:
     path = tmp_path / "vendor-virtio"
     path.write_text("0x1af4\n")
     return str(path)
+
+
+def test_the_torchtpu_runtimes_kernels_carry_jaxs_own_mosaic_version_which_its_libtpu_compiles():
+    """TorchTPU exports each kernel itself (jax.export for "tpu", no pin: internals.pinned_mosaic_version is torch_xla's
+    runtime's, for libtpu 0.0.21). The version jax 0.12 writes there must be one libtpu 0.0.52 compiles."""
+    import base64
+    import json
+
+    from jax._src.interpreters import mlir
+    from jax._src.lib.mlir import ir
+
+    from torchattn.aot import Attention, argument_structs
+    from torchattn.internals import MOSAIC_IR_VERSION
+
+    call = Attention(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_dim=128, causal=True)
+    spec, _ = call.specs(call.default_block_sizes("v6e"), "v6e")
+    structs, _ = argument_structs(spec)
+    with jax.default_device(compiler.device("v6e")):  # jax 0.12's Pallas lowering reads the chip from it
+        text = jax.export.export(jax.jit(kernel_function("forward", spec)), platforms=["tpu"])(*structs).mlir_module()
+    with mlir.make_ir_context():
+        module = ir.Module.parse(text)
+        configs = [json.loads(op.attributes["backend_config"].value) for op in _operations(module.operation)
+                   if op.name == "stablehlo.custom_call"
+                   and op.attributes["call_target_name"].value == "tpu_custom_call"]
+    assert len(configs) == 1
+    context = ir.Context()
+    context.allow_unregistered_dialects = True  # Mosaic's dialects are not registered in jax's Python MLIR
+    with context:
+        body = ir.Module.parse(base64.b64decode(configs[0]["custom_call_config"]["body"]))
+        version = body.operation.attributes["stable_mosaic.version"].value
+    assert version > MOSAIC_IR_VERSION, "the torch_xla runtime's pin is not what TorchTPU's kernels get"
+    assert compiler.compile_stablehlo(text, "v6e", "forward").output_bytes > 0
+
+
+def _operations(operation):
+    for region in operation.regions:
+        for block in region.blocks:
+            for op in block.operations:
+                yield op.operation
+                yield from _operations(op.operation)

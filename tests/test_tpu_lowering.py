@@ -25,7 +25,7 @@ torch_xla = pytest.importorskip("torch_xla")
 from jax import export  # noqa: E402
 
 from torchattn.aot import argument_structs  # noqa: E402
-from torchattn.kernels import backward  # noqa: E402
+from torchattn.kernels import COMPILED, backward  # noqa: E402
 from torchattn.kernels.backward import dkv_call, dq_call, fused_call  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
@@ -76,9 +76,9 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls(fused, monkeypatch):
     blocks = BlockSizes(block_q=128, block_kv=128, block_q_bwd=128, block_kv_bwd=128)
     options = Options(causal=True, scale=0.125, window=None, softcap=None, dropout_p=0.1, block_sizes=blocks)
     tensors = Tensors(q, k, v, None, None, bias, dropout_key, None)
-    out, lse = kernel_calls.forward(tensors, options, interpret=False)
+    out, lse = kernel_calls.forward(tensors, options, mode=COMPILED)
     grads = kernel_calls.backward(torch.ones_like(out), torch.zeros_like(lse), out, lse, tensors, options, ("bias",),
-                                  interpret=False).values()
+                                  mode=COMPILED).values()
     hlo = torch_xla._XLAC._get_xla_tensors_hlo([out, lse, *grads])
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
     del out, lse, grads  # never synced: XLA:CPU cannot execute these

@@ -77,15 +77,16 @@ def flash_attention(
             ``BlockSizes.default``. Blocks longer than the sequence are clamped to it.
             On a TPU, blocks whose kernels do not fit the generation's VMEM raise
             ValueError naming block sizes that fit.
-        backend: "auto", "pallas", "interpret", "xla", "reference" or "sdpa";
-            see :func:`explain`.
+        backend: "auto", "pallas", "interpret", "simulated", "xla", "reference" or
+            "sdpa"; see :func:`explain` ("simulated": JAX's TPU simulator, CPU
+            tensors, a test tier: docs/kernels.md).
 
     A query row that sees no key returns 0 with lse -inf and gets zero gradient. A NaN or
     +inf score (NaN in q or k, an overflowing scale) makes its row's output NaN and its lse
     NaN or +inf, as in the dense math; a -inf score (from the bias) hides its key like a mask.
     Where a bool, int or float is meant, NumPy scalars of that kind are accepted.
 
-    The ``pallas``, ``interpret`` and ``xla`` backends support ``torch.func.grad``
+    The ``pallas``, ``interpret``, ``simulated`` and ``xla`` backends support ``torch.func.grad``
     but neither ``torch.vmap`` nor double backward (second-order gradients); both
     raise NotImplementedError.
     """

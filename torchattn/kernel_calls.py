@@ -1,7 +1,8 @@
 """Torch side of the Pallas kernels (torchattn/kernels/): the call's tensors as the kernels' arrays, padded and
 laid out, the kernel calls, the results unpadded.
 
-Shared by the ``pallas`` (Mosaic-compiled) and ``interpret`` backends, which differ only in ``interpret``.
+Shared by the ``pallas`` (Mosaic-compiled), ``interpret`` and ``simulated`` backends, which differ only in the
+kernels' mode (torchattn.kernels.MODES).
 Everything per tensor follows from its declaration (torchattn.request.Tensors) and the kernels' argument
 contract (torchattn/kernels/arguments.py).
 """
@@ -22,13 +23,13 @@ from .tiling import LANES, SUBLANES, round_up
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# The call features (torchattn/features.py) the Pallas kernels serve, in both modes.
+# The call features (torchattn/features.py) the Pallas kernels serve, in every mode.
 FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "return_lse", "segment_ids", "bias"})
 
 
 def unavailable(request: Request) -> str | None:
-    """Why neither mode of the kernels can serve ``request`` on its device, which each backend checks first
-    (``pallas``: a TPU; ``interpret``: XLA or CPU)."""
+    """Why no mode of the kernels can serve ``request`` on its device, which each backend checks first
+    (``pallas``: a TPU; ``interpret``: XLA or CPU; ``simulated``: CPU)."""
     if request.device.type == "cpu" and importlib.util.find_spec("jax") is None:
         return "runs the kernels on CPU tensors through JAX, which is not installed"
     if request.dtype not in KERNEL_DTYPES:
@@ -68,10 +69,11 @@ def kernel_head_dim(head_dim: int) -> int:
     return head_dim if arguments.narrow(head_dim) else round_up(head_dim, LANES)
 
 
-def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, interpret: bool,
+def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int, mode: str,
                 wanted: tuple[str, ...] | None = None):
-    """The KernelSpec of one call; ``options.generation`` (Mosaic-compiled kernels only) sets the VMEM limit;
-    ``wanted`` as :func:`kernel_arrays` takes it."""
+    """The KernelSpec of one call in ``mode`` (torchattn.kernels.MODES); ``options.generation`` (compiled kernels
+    only) sets the VMEM limit; ``wanted`` as :func:`kernel_arrays` takes it."""
+    from .kernels import COMPILED
     from .kernels.common import KernelSpec  # imports jax: only once a kernel actually runs
 
     batch, q_heads, q_len, head_dim = tensors.q.shape
@@ -82,8 +84,8 @@ def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int,
         q_pad=round_up(q_len, block_q), kv_pad=round_up(kv_len, block_kv),
         head_dim=kernel_head_dim(head_dim),
         block_q=block_q, block_kv=block_kv, dtype=_dtype_name(tensors.q.dtype), options=options,
-        arrays=kernel_arrays(tensors, wanted), interpret=interpret,
-        vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and not interpret else None)
+        arrays=kernel_arrays(tensors, wanted), mode=mode,
+        vmem_limit_bytes=generations.get(generation).vmem_limit_bytes if generation and mode == COMPILED else None)
 
 
 def _pad_lanes(t: torch.Tensor, length: int) -> torch.Tensor:
@@ -143,24 +145,24 @@ def check_fits(tensors: Tensors, options: Options) -> None:
         vmem.check_fits(options.generation, vmem_operands(tensors, options), options.block_sizes)
 
 
-def forward(tensors: Tensors, options: Options, *, interpret: bool):
+def forward(tensors: Tensors, options: Options, *, mode: str):
     q = tensors.q
-    spec = kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, interpret)
+    spec = kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, mode)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
     kernel_args = _kernel_arguments(spec, kernel_key(tensors), _present(tensors), backward=False)
-    out, lse = jax_bridge.call("forward", spec, kernel_args, out_shapes, interpret=interpret)
+    out, lse = jax_bridge.call("forward", spec, kernel_args, out_shapes)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
 
-def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, interpret: bool):
+def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, mode: str):
     """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
     from .kernels.backward import fused
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
     # The per-pair inputs that get a gradient by ``wanted``: they set the dq kernel's outputs and VMEM (kernels.fused).
-    spec = kernel_spec(tensors, options, blocks.block_q_bwd, blocks.block_kv_bwd, interpret, wanted)
+    spec = kernel_spec(tensors, options, blocks.block_q_bwd, blocks.block_kv_bwd, mode, wanted)
     # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
     arrays = dict(_present(tensors), do=do, lse=torch.where(lse == float("-inf"), 0.0, lse),
                   delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
@@ -172,12 +174,12 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
         partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
                     torch.float32)
         dk, dv, partials, *ds = jax_bridge.call("backward_fused", spec, kernel_args,
-                                                [kv_shape, kv_shape, partials, *ds_shape], interpret=interpret)
+                                                [kv_shape, kv_shape, partials, *ds_shape])
         dq = sum_dq_partials(spec, partials).to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
-        dq, *ds = jax_bridge.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape], interpret=interpret)
-        dk, dv = jax_bridge.call("backward_dkv", spec, kernel_args, [kv_shape, kv_shape], interpret=interpret)
+        dq, *ds = jax_bridge.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
+        dk, dv = jax_bridge.call("backward_dkv", spec, kernel_args, [kv_shape, kv_shape])
     d = q.shape[3]
     grads = dict(q=dq[:, :, : spec.q_len, :d], k=dk[:, :, : spec.kv_len, :d], v=dv[:, :, : spec.kv_len, :d])
     for array in pair_grads:  # an additive term per (q, kv) pair: its gradient is ds, summed where it broadcasts

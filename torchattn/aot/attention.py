@@ -8,7 +8,7 @@ import torch
 
 from ..block_sizes import BlockSizes
 from .. import features, kernel_calls
-from ..kernels import arguments, vmem
+from ..kernels import COMPILED, arguments, vmem
 from ..request import Request
 from .compiler import Compiled, compile_jax
 
@@ -43,9 +43,9 @@ class _Attention:
         """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
         request = self.request(block_sizes, generation)
         tensors, options = request.tensors(), request.options
-        return (kernel_calls.kernel_spec(tensors, options, block_sizes.block_q, block_sizes.block_kv, interpret=False),
+        return (kernel_calls.kernel_spec(tensors, options, block_sizes.block_q, block_sizes.block_kv, mode=COMPILED),
                 kernel_calls.kernel_spec(tensors, options, block_sizes.block_q_bwd, block_sizes.block_kv_bwd,
-                                         interpret=False))
+                                         mode=COMPILED))
 
     def vmem_operands(self) -> vmem.Operands:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""

@@ -13,9 +13,9 @@ import dataclasses
 from .. import autograd, devices, once, sharding
 from ..backend import Backend
 from ..request import Request
-from . import interpret, pallas, reference, sdpa, xla
+from . import interpret, pallas, reference, sdpa, simulated, xla
 
-BACKENDS = {m.BACKEND.name: m.BACKEND for m in (pallas, interpret, xla, reference, sdpa)}
+BACKENDS = {m.BACKEND.name: m.BACKEND for m in (pallas, interpret, simulated, xla, reference, sdpa)}
 
 # Preference per device kind. On XLA devices other than TPU the `xla` backend is
 # preferred to `interpret`: interpret mode emulates the TPU kernel (for testing)

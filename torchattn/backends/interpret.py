@@ -11,6 +11,7 @@ import functools
 
 from .. import kernel_calls
 from ..backend import Backend
+from ..kernels import INTERPRET
 from ..request import Request
 
 
@@ -21,5 +22,5 @@ def unavailable(request: Request) -> str | None:
 
 
 BACKEND = Backend("interpret", unavailable, kernel_calls.FEATURES,
-                  forward=functools.partial(kernel_calls.forward, interpret=True),
-                  backward=functools.partial(kernel_calls.backward, interpret=True), per_device=True)
+                  forward=functools.partial(kernel_calls.forward, mode=INTERPRET),
+                  backward=functools.partial(kernel_calls.backward, mode=INTERPRET), per_device=True)

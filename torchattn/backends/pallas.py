@@ -11,6 +11,7 @@ import functools
 
 from .. import devices, kernel_calls
 from ..backend import Backend
+from ..kernels import COMPILED
 from ..request import Request
 
 
@@ -27,6 +28,6 @@ def unavailable(request: Request) -> str | None:
 
 # Block sizes too large for the chip are the caller's to fix: refused (vmem_checked), no fallback.
 BACKEND = Backend("pallas", unavailable, kernel_calls.FEATURES,
-                  forward=functools.partial(kernel_calls.forward, interpret=False),
-                  backward=functools.partial(kernel_calls.backward, interpret=False), per_device=True,
+                  forward=functools.partial(kernel_calls.forward, mode=COMPILED),
+                  backward=functools.partial(kernel_calls.backward, mode=COMPILED), per_device=True,
                   vmem_checked=True)

@@ -8,6 +8,13 @@ from __future__ import annotations
 # The kernels by role: what the runtimes (torchattn/jax_bridge.py, torchattn/torchtpu.py) name each launch.
 ROLES = ("forward", "backward_fused", "backward_dq", "backward_dkv")
 
+# How a kernel runs (KernelSpec.mode): compiled by Mosaic for a TPU; in Pallas' classic interpret mode, the kernel
+# as plain array code, which lowers to HLO and so runs inside torch_xla's graph too; or simulated, in JAX's TPU
+# interpret mode, which models HBM, VMEM, DMAs, semaphores and aliasing, detects races and fills uninitialised
+# memory with NaN (host callbacks: CPU tensors through JAX only). kernels/compat.py maps each to pallas_call's.
+COMPILED, INTERPRET, SIMULATED = "compiled", "interpret", "simulated"
+MODES = (COMPILED, INTERPRET, SIMULATED)
+
 
 def kernel_function(role: str, spec):
     """The jax function ``fn(dropout_key, *arrays) -> outputs`` of the kernel ``role`` at ``spec`` (a

@@ -46,7 +46,7 @@ class KernelSpec:
     dtype: str
     options: object
     arrays: tuple[arguments.Array, ...]
-    interpret: bool
+    mode: str  # kernels.MODES: compiled, interpret or simulated
     vmem_limit_bytes: int | None = None  # Mosaic's scoped VMEM limit; None keeps the compiler's default
 
     @property
@@ -331,7 +331,7 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
             vmem_limit_bytes=spec.vmem_limit_bytes),
-        interpret=spec.interpret,
+        interpret=compat.interpret_argument(spec.mode),
         name=name,
         cost_estimate=cost_estimate,
     )

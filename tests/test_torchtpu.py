@@ -298,7 +298,7 @@ def test_the_torchtpu_runtimes_kernels_carry_jaxs_own_mosaic_version_which_its_l
     from jax._src.lib.mlir import ir
 
     from torchattn.aot import Attention, argument_structs
-    from torchattn.internals import MOSAIC_IR_VERSION
+    from torchattn.internals import MOSAIC_IR_VERSION, tpu_custom_call_configs
 
     call = Attention(batch=1, q_heads=2, kv_heads=1, q_len=128, kv_len=128, head_dim=128, causal=True)
     spec, _ = call.specs(call.default_block_sizes("v6e"), "v6e")
@@ -307,9 +307,7 @@ def test_the_torchtpu_runtimes_kernels_carry_jaxs_own_mosaic_version_which_its_l
         text = jax.export.export(jax.jit(kernel_function("forward", spec)), platforms=["tpu"])(*structs).mlir_module()
     with mlir.make_ir_context():
         module = ir.Module.parse(text)
-        configs = [json.loads(op.attributes["backend_config"].value) for op in _operations(module.operation)
-                   if op.name == "stablehlo.custom_call"
-                   and op.attributes["call_target_name"].value == "tpu_custom_call"]
+        configs = [json.loads(config) for config in tpu_custom_call_configs(module)]
     assert len(configs) == 1
     context = ir.Context()
     context.allow_unregistered_dialects = True  # Mosaic's dialects are not registered in jax's Python MLIR
@@ -318,11 +316,3 @@ def test_the_torchtpu_runtimes_kernels_carry_jaxs_own_mosaic_version_which_its_l
         version = body.operation.attributes["stable_mosaic.version"].value
     assert version > MOSAIC_IR_VERSION, "the torch_xla runtime's pin is not what TorchTPU's kernels get"
     assert compiler.compile_stablehlo(text, "v6e", "forward").output_bytes > 0
-
-
-def _operations(operation):
-    for region in operation.regions:
-        for block in region.blocks:
-            for op in block.operations:
-                yield op.operation
-                yield from _operations(op.operation)

@@ -46,9 +46,7 @@ def mosaic_payload(fn, signature) -> str:
     structs = [jax.ShapeDtypeStruct(shape, _jax_dtype(dtype)) for shape, dtype in signature]
     with pinned_mosaic_version():
         module = jax.jit(fn).trace(*structs).lower(lowering_platforms=("tpu",)).compiler_ir()
-    configs = [op.attributes["backend_config"].value for op in _walk(module.operation)
-               if op.name == "stablehlo.custom_call"
-               and op.attributes["call_target_name"].value == "tpu_custom_call"]
+    configs = tpu_custom_call_configs(module)
     if len(configs) != 1:
         raise RuntimeError(f"expected one tpu_custom_call in the lowered kernel, found {len(configs)}")
     return configs[0]
@@ -83,6 +81,12 @@ def _jax_dtype(dtype: torch.dtype) -> str:
         raise TypeError(f"tpu_custom_call: expected a kernel argument dtype in "
                         f"{[str(d) for d in _JAX_DTYPES]}, got {dtype}")
     return _JAX_DTYPES[dtype]
+
+
+def tpu_custom_call_configs(module) -> list[str]:
+    """The backend configs (Mosaic payloads, JSON) of the ``tpu_custom_call``s of a lowered MLIR ``module``."""
+    return [op.attributes["backend_config"].value for op in _walk(module.operation)
+            if op.name == "stablehlo.custom_call" and op.attributes["call_target_name"].value == "tpu_custom_call"]
 
 
 def _walk(operation):

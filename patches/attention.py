@@ -7,18 +7,37 @@ import contextlib
 import torch
 
 import torchattn
-from torchattn import features, once
+from torchattn import once
 
 from . import masks
 from .options import dropout_seed, options_for
 
-# Arguments some families pass that torchattn has no equivalent for: refused, never dropped.
+# The keywords transformers passes (beyond the signature's), each known here: an allow-list, so a keyword a new
+# transformers or family adds is named in a warning, never dropped without a word (:func:`_check_keywords`).
+# Passed on to flash_attention as the feature named (torchattn/features.py).
+PASSED_ON = {"scaling": "scale", "softcap": "softcap"}
+# Read here: causality, packing (torchattn/patches/masks.py) and output_attentions (None weights, warned).
+TAKEN = frozenset({"is_causal", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "output_attentions"})
+# Passed along the model's forward to every layer, and nothing attention computes depends on them.
+NOT_ATTENTIONS = {
+    "max_length_q": "the longest packed document: torchattn reads the documents from cu_seq_lens",
+    "max_length_k": "the longest packed document: torchattn reads the documents from cu_seq_lens",
+    "num_items_in_batch": "the loss's normalisation",
+    "output_hidden_states": "the model's outputs",
+    "output_router_logits": "the model's outputs",
+    "seq_idx": "the state-space layers' document index (the attention layers take position_ids)",
+    "deterministic": "flash-attn's choice of a deterministic backward: torchattn's kernels always are",
+    "use_cache": "the key-value cache, which the model fills before calling attention",
+    "encoder_hidden_states": "a cross-attention's source: its keys and values arrive computed from it",
+}
+# Arguments some families pass that torchattn has no equivalent for: refused when given, never dropped.
 _UNSERVED = {
     "s_aux": "attention sinks (a learned logit per head added to the softmax denominator, GPT-OSS)",
     "sinks": "attention sinks (a learned logit per head added to the softmax denominator)",
     "indices": "sparse attention over the top-k keys an indexer picks per query (Dots)",
     "block_indices": "block-sparse attention over the key blocks an indexer picks per query (MiniMax-M3)",
 }
+_KNOWN = frozenset({*PASSED_ON, *TAKEN, *NOT_ATTENTIONS, *_UNSERVED})
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -42,10 +61,7 @@ def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     sinks (``s_aux``/``sinks``) and indexer-chosen sparsity (``indices``/``block_indices``)
     are refused.
     """
-    for name, what in _UNSERVED.items():
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"{name}: torchattn does not implement {what}; "
-                                      f"{type(module).__name__} needs it, so it cannot run on torchattn")
+    _check_keywords(type(module).__name__, kwargs)
     if kwargs.get("output_attentions"):
         warn_no_attentions(type(module).__name__)
     batch, _, q_len, _ = query.shape
@@ -74,10 +90,23 @@ def torchattn_attention(module: torch.nn.Module, query: torch.Tensor, key: torch
     return out.transpose(1, 2).contiguous(), None
 
 
+def _check_keywords(model: str, kwargs: dict) -> None:
+    """NotImplementedError for an unserved feature the call uses; a one-time warning naming any keyword this
+    module does not know (it is not passed on: attention may then differ from the model's eager one)."""
+    for name, what in _UNSERVED.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"{name}: torchattn does not implement {what}; {model} needs it, so it "
+                                      f"cannot run on torchattn")
+    for name in [name for name in kwargs if name not in _KNOWN]:
+        once.warn(("unknown keyword", model, name),
+                  f"torchattn: {model} passed the attention keyword {name!r}, which torchattn does not know; it is "
+                  f"not used, so if it changes attention the results differ from the model's own attention "
+                  f"(patches/attention.py lists the keywords it knows)", stacklevel=4)
+
+
 def _passed_on(kwargs: dict) -> dict:
-    """The features transformers passes as torchattn takes them (``Feature.hf``: ``scaling`` as scale,
-    ``softcap``), from the kwargs it passed."""
-    return {feature.name: kwargs.get(feature.hf) for feature in features.FEATURES if feature.hf is not None}
+    """The features transformers passes as torchattn takes them (:data:`PASSED_ON`), from the kwargs it passed."""
+    return {feature: kwargs.get(keyword) for keyword, feature in PASSED_ON.items()}
 
 
 def compute_dtype(module, query, key, value) -> tuple[torch.dtype, str | None]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchattn import api, backends
+import dataclasses
+
+from torchattn import api, backends, features
 from torchattn.aot import Attention
+from torchattn.aot.flags import FLAGS
 from torchattn.backend import Backend, blockwise
 from torchattn.block_sizes import BlockSizes
 from torchattn.kernels import arguments
-from torchattn.request import Tensors
+from torchattn.request import Options, Request, Tensors
 
 
 def _schema_tensors(op) -> list[str]:
@@ -22,6 +25,31 @@ def test_ops_take_the_declared_tensors_and_return_one_gradient_per_differentiabl
     backward = torch.ops.torchattn.attention_backward.default._schema
     assert _schema_tensors(torch.ops.torchattn.attention_backward) == ["do", "dlse", "out", "lse", *Tensors.names()]
     assert len(backward.returns) == len(Tensors.grad_names()) == 4
+
+
+def _fields(cls) -> list[tuple[str, str]]:
+    return [(field.name, field.type) for field in dataclasses.fields(cls)]
+
+
+def test_the_written_out_fields_are_the_features_own_in_their_order():
+    """Options, Tensors and Request are written out for their readers; these hold them to torchattn/features.py."""
+    assert _fields(Options) == [*((f.name, f.type) for f in features.fields(features.Kind.OPTION)),
+                                ("block_sizes", "BlockSizes"), ("generation", "str | None"),
+                                ("sequence_shard", "tuple[int | None, int | None] | None")]
+    assert [name for name, _ in _fields(Tensors)] == Tensors.names() == [
+        "q", "k", "v", *(f.name for f in features.fields(features.Kind.TENSOR)), "dropout_key", "row_offsets"]
+    assert [name for name, _ in _fields(Request)] == [
+        "inputs", *(f.name for f in features.fields(features.Kind.REQUEST)), "options", "sharding"]
+    assert all(dataclasses.fields(cls) and cls.__dataclass_params__.frozen for cls in (Options, Tensors, Request))
+
+
+def test_aot_takes_a_flag_per_declared_feature_and_an_attention_field_per_flag():
+    features.check_names("torchattn.aot's flags", frozenset(flag.feature for flag in FLAGS))
+    order = [feature.name for feature in features.FEATURES]
+    assert [flag.feature for flag in FLAGS] == sorted((flag.feature for flag in FLAGS), key=order.index)
+    shapes = ["batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype"]
+    assert [field.name for field in dataclasses.fields(Attention)] == [*shapes, *(flag.field for flag in FLAGS)]
+    assert all(field.default == flag.default for field, flag in zip(dataclasses.fields(Attention)[7:], FLAGS))
 
 
 def test_tpu_generation_is_a_static_option_of_the_call(device, fake_tpu):
@@ -48,8 +76,9 @@ def test_aot_attention_is_validated_like_a_call():
 
 
 def test_backends_are_objects_the_ops_dispatch_on():
-    assert sorted(name for name, b in backends.BACKENDS.items() if b.blockwise) == ["interpret", "pallas", "xla"]
-    assert {name for name, b in backends.BACKENDS.items() if b.per_device} == {"pallas", "interpret"}
+    assert sorted(name for name, b in backends.BACKENDS.items() if b.blockwise) == [
+        "interpret", "pallas", "simulated", "xla"]
+    assert {name for name, b in backends.BACKENDS.items() if b.per_device} == {"pallas", "interpret", "simulated"}
     assert [name for name, b in backends.BACKENDS.items() if b.vmem_checked] == ["pallas"]
     assert blockwise("xla") is backends.BACKENDS["xla"]
     with pytest.raises(TypeError, match="backend 'half': expected either dense or both forward and backward"):

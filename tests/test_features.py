@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def new_feature(monkeypatch):
     """A feature every call uses, declared at runtime as a new static option would be."""
-    feature = features.Feature("sharpness", (), lambda call: (), (), used=lambda request: True)
+    feature = features.Feature(name="sharpness", arguments=(), check=lambda call: (), fields=(),
+                               used=lambda request: True)
     monkeypatch.setattr(features, "FEATURES", [*features.FEATURES, feature])
     return feature
 
@@ -97,14 +98,23 @@ def test_flash_attention_passes_every_declared_argument_on(monkeypatch):
     assert given.keys() == marked.keys() and all(given[name] is marked[name] for name in marked)
 
 
-# A static option added the way a developer adds one: its Feature appended to torchattn/features.py (in a copy of
-# the package), and no other file edited; the call then runs through everything derived from the declaration.
-NEW_OPTION = """
+# A static option added the way a developer adds one (in a copy of the package): its Feature appended to
+# torchattn/features.py and its Options field in torchattn/request.py; for python -m torchattn.aot, its Flag and
+# its Attention field. No other file is edited; the call then runs through everything derived from the declaration.
+NEW_OPTION = {
+    "features.py": ("", """
 FEATURES.append(Feature(
-    "sharpness", (("sharpness", 1.0),), lambda call, x: (positive_float("sharpness", x, 1.0),),
-    (option("sharpness", "float"),), used=lambda r: r.options.sharpness != 1.0, tuned=lambda r: r.options.sharpness,
-    flag=Flag("sharpness", "sharpness", 1.0, lambda x, a: dict(sharpness=x), parse=float)))
-"""
+    name="sharpness", arguments=(("sharpness", 1.0),), check=lambda call, x: (positive_float("sharpness", x, 1.0),),
+    fields=(option("sharpness", "float"),), used=lambda r: r.options.sharpness != 1.0,
+    tuned=lambda r: r.options.sharpness))
+"""),
+    "request.py": ("    # Every call's.\n    block_sizes", "    sharpness: float\n"),
+    "aot/flags.py": ("", """
+FLAGS += (Flag(feature="sharpness", name="sharpness", field="sharpness", default=1.0,
+               arguments=lambda x, a: dict(sharpness=x), parse=float),)
+"""),
+    "aot/attention.py": ("\n    def request(", "    sharpness: float = 1.0\n"),
+}
 CALLS = """
 import dataclasses, json, torch
 import torchattn
@@ -133,13 +143,16 @@ print(json.dumps(seen))
 """
 
 
-def _printed_with_declaration(tmp_path, declaration: str, script: str):
-    """What ``script`` (``%r``: the copy's path) prints last, as JSON, run against a copy of the package whose
-    features.py has ``declaration`` appended; no other file of the copy differs."""
+def _printed_with_declaration(tmp_path, declaration: dict, script: str):
+    """What ``script`` (``%r``: the copy's path) prints last, as JSON, run against a copy of the package in which
+    each file of ``declaration`` ({path: (the text before which, text)}; "": at the end) has its text; no other
+    file of the copy differs."""
     package = tmp_path / "torchattn"
     shutil.copytree(ROOT / "torchattn", package, ignore=shutil.ignore_patterns("__pycache__"))
-    with open(package / "features.py", "a") as features_file:
-        features_file.write(declaration)
+    for path, (before, text) in declaration.items():
+        source = (package / path).read_text()
+        assert not before or source.count(before) == 1, f"{path}: {before!r} is where the text goes"
+        (package / path).write_text(source + text if not before else source.replace(before, text + before))
     env = dict(os.environ, PJRT_DEVICE="CPU", PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
     done = subprocess.run([sys.executable, "-c", script % str(package)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
@@ -147,7 +160,7 @@ def _printed_with_declaration(tmp_path, declaration: str, script: str):
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_a_static_option_declared_once_is_validated_carried_keyed_and_refused_until_served(tmp_path):
+def test_a_static_option_declared_in_its_places_is_validated_carried_keyed_and_refused_until_served(tmp_path):
     seen = _printed_with_declaration(tmp_path, NEW_OPTION, CALLS)
     assert seen["option"] == 2.0 and seen["schema"]  # an Options field, through the custom ops
     assert seen["bad"] == "sharpness: expected a finite float > 0 or None, got -1.0"
@@ -160,22 +173,26 @@ def test_a_static_option_declared_once_is_validated_carried_keyed_and_refused_un
     assert seen["declared"] == "reference"
 
 
-# A second per-(q, kv) pair input, declared the same way: the blockwise backends' math reads such inputs by their
-# role (each a term added to the logits, with its own gradient), so it needs no change there.
-NEW_PAIR_INPUT = """
+# A second per-(q, kv) pair input, declared the same way (its Feature, its Tensors field): the backends' math reads
+# such inputs by their role (each a term added to the logits, with its own gradient), so it needs no change there.
+NEW_PAIR_INPUT = {
+    "features.py": ("", """
 FEATURES.append(Feature(
-    "bias2", (("bias2", None),), _check_bias, (tensor("bias2", PAIRS, heads=True, grad=True),),
-    used=lambda r: r.bias2 is not None))
-"""
+    name="bias2", arguments=(("bias2", None),), check=pair_tensor_check("bias2"),
+    fields=(tensor("bias2", PAIRS, heads=True, grad=True),), used=lambda r: r.inputs.bias2 is not None))
+"""),
+    "request.py": ("    # The per-device tables.", "    bias2: torch.Tensor | None = None\n"),
+}
 PAIR_CALLS = """
 import dataclasses, json, torch, torch_xla
 import torchattn
 from torchattn import api, backends
 assert torchattn.__file__.startswith(%r), torchattn.__file__
-device = torch_xla.device()
+xla = torch_xla.device()
 g = torch.Generator().manual_seed(0)
 errors = {}
-for name, dtype in (("xla", torch.float64), ("interpret", torch.float32)):
+for name, dtype, device in (("xla", torch.float64, xla), ("interpret", torch.float32, xla),
+                            ("reference", torch.float64, "cpu"), ("sdpa", torch.float64, "cpu")):
     backend = backends.BACKENDS[name]
     backend = dataclasses.replace(backend, features=backend.features | {"bias2"})
     q, k, v = (torch.randn(1, 2, 80, 16, generator=g, dtype=dtype) for _ in range(3))
@@ -197,9 +214,9 @@ print(json.dumps(errors))
 
 
 @pytest.mark.xla  # the child runs the xla backend and the interpret kernels on XLA:CPU
-def test_a_second_per_pair_input_declared_once_is_added_to_the_logits_by_every_blockwise_backend(tmp_path):
+def test_a_second_per_pair_input_declared_in_its_places_is_added_to_the_logits_by_every_backend(tmp_path):
     errors = _printed_with_declaration(tmp_path, NEW_PAIR_INPUT, PAIR_CALLS)
     # out, dq, dk, dv, then each pair input's gradient (the broadcast one summed over its broadcast dims),
     # against float64 with the two terms as one bias: float64 exact to rounding, float32 to its own.
-    assert max(errors["xla"]) < 1e-10, errors
+    assert max(errors["xla"] + errors["reference"] + errors["sdpa"]) < 1e-10, errors
     assert max(errors["interpret"]) < 1e-4, errors

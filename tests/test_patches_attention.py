@@ -192,6 +192,24 @@ def test_attention_sinks_and_indexed_sparsity_are_refused_naming_the_argument(na
     torchattn_attention(_module(True), q, k, v, None, scaling=0.3, **{name: None})  # absent is fine
 
 
+def test_an_unknown_keyword_is_named_in_one_warning_and_known_ones_in_none():
+    """The keywords transformers passes are an allow-list (patches/attention.py): one it does not know is not passed
+    on, and says so once; those it knows (used, or not attention's) pass without a word."""
+    q, k, v = _qkv()
+    module = type("NewFamilyAttention", (torch.nn.Module,), {"is_causal": True})()
+    known = dict(max_length_q=11, max_length_k=11, num_items_in_batch=torch.tensor(3), output_hidden_states=False,
+                 use_cache=False, position_ids=torch.arange(11).expand(2, 11))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        expected = torchattn_attention(module, q, k, v, None, scaling=0.3, **known)[0]
+        for _ in range(2):
+            got = torchattn_attention(module, q, k, v, None, scaling=0.3, attention_temperature=0.5, **known)[0]
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 1, messages
+    assert "NewFamilyAttention passed the attention keyword 'attention_temperature'" in messages[0]
+    assert torch.equal(got, expected), "not passed on"
+
+
 def test_cu_seq_lens_with_batch_above_one_is_refused():
     """Packed documents come in one row (DataCollatorWithFlattening); boundaries for a batch of
     two rows cannot be read from one cu_seq_lens, and ignoring them would leak across documents."""

@@ -65,7 +65,7 @@ def test_pallas_kernels_receive_ids_that_keep_documents_apart(cross, device, fak
     class Captured(Exception):
         pass
 
-    def capture(role, spec, args, out_shapes, *, interpret):
+    def capture(role, spec, args, out_shapes):
         received.extend(args)
         raise Captured
 

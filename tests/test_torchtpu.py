@@ -60,7 +60,7 @@ def _meta_request(case: str, generation: str | None = "v6e"):
     if "bias" in kwargs:
         kwargs["bias"] = torch.empty(kwargs["bias"], device="meta", dtype=dtype)
     request = api.validated(q, k, k, **kwargs)
-    request.options = dataclasses.replace(request.options, generation=generation)
+    request = dataclasses.replace(request, options=dataclasses.replace(request.options, generation=generation))
     return request
 
 
@@ -116,11 +116,11 @@ def test_meta_shapes_for_every_feature(case, launched):
     shaped and typed as flash_attention returns them; a per-pair bias gets its gradient, in its own shape."""
     request = _meta_request(case)
     tensors, options = _op_tensors(request)
-    wanted = ("bias",) if request.bias is not None else ()
+    wanted = ("bias",) if request.inputs.bias is not None else ()
     out, lse, grads = _forward_backward(tensors, options, wanted)
     assert (out.shape, out.dtype, out.device.type) == (request.q.shape, request.q.dtype, "meta")
     assert (lse.shape, lse.dtype) == (request.q.shape[:3], torch.float32)
-    expected = {"q": request.q, "k": request.k, "v": request.v, **({"bias": request.bias} if wanted else {})}
+    expected = {"q": request.q, "k": request.k, "v": request.v, **({"bias": request.inputs.bias} if wanted else {})}
     assert {name: (g.shape, g.dtype) for name, g in grads.items()} == {
         name: (t.shape, t.dtype) for name, t in expected.items()}
     assert launched == ["forward", "backward_fused"]  # off the chip's limits the backward is fused

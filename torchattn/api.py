@@ -8,7 +8,7 @@ import torch
 
 from . import backends, devices, features, sharding, tune_cache
 from .block_sizes import BlockSizes
-from .request import Options, Request
+from .request import Options, Request, Tensors
 from .types import type_name
 
 MAX_HEAD_DIM = 256
@@ -158,17 +158,22 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
     if unknown:
         raise _Unexpected(f"unexpected arguments {unknown}; expected any of "
                           f"{[*features.arguments(), 'block_sizes']}")
-    fields = features.validate(q, k, given)
+    values = features.validate(q, k, given)
+
+    def of(kind):
+        return {field.name: values[field.name] for field in features.fields(kind)}
+
     generation = devices.tpu_generation(q.device)
-    options = Options(**{field.name: fields.pop(field.name) for field in features.fields(features.OPTION)},
+    options = Options(**of(features.Kind.OPTION),
                       block_sizes=BlockSizes.for_call(block_sizes, q_len, kv_len, head_dim, generation),
                       generation=generation)
-    request = Request(q=q, k=k, v=v, options=options, **fields)
-    request.sharding = sharding.resolve(request)
+    request = Request(inputs=Tensors(q=q, k=k, v=v, **of(features.Kind.TENSOR)), options=options,
+                      **of(features.Kind.REQUEST))
+    request = dataclasses.replace(request, sharding=sharding.resolve(request))
     if block_sizes is None:  # what torchattn.tune cached for this call replaces the default
         tuned = tune_cache.lookup(request)
         if tuned is not None:
-            request.options = dataclasses.replace(options, block_sizes=tuned)
+            request = dataclasses.replace(request, options=dataclasses.replace(options, block_sizes=tuned))
     return request
 
 

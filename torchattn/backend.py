@@ -46,7 +46,7 @@ class Backend:
     def __post_init__(self):
         if (self.dense is None) == (self.forward is None) or (self.forward is None) != (self.backward is None):
             raise TypeError(f"backend {self.name!r}: expected either dense or both forward and backward")
-        features.check_names(self.name, self.features)
+        features.check_names(f"backend {self.name!r}", self.features)
         if self.blockwise:
             _BLOCKWISE[self.name] = self
 

@@ -1,23 +1,29 @@
 """The features of a call of :func:`torchattn.flash_attention`, declared once.
 
 A :class:`Feature` is one thing a call can ask for (causal masking, a bias, dropout, ...): the keyword
-arguments it takes and their defaults, how they are validated, the fields the validated values become, when a
-call uses it, what of it the tuned block sizes depend on, and how ``python -m torchattn.aot`` takes it. From
-this list come: the checks of :func:`torchattn.api.validated`, the fields of ``Options``, ``Tensors`` and
-``Request`` (torchattn/request.py), the tune key (torchattn.tune_cache.Key), the AOT CLI's feature flags and
-``torchattn.aot.Attention``, and the arguments the Hugging Face attention passes on (patches/attention.py).
+arguments it takes and their defaults, its check (one function, named for it, that validates them), the
+fields the validated values become, when a call uses it and what of it the tuned block sizes depend on. From
+this list come: the checks of :func:`torchattn.api.validated`, the order and kinds of the fields of
+``Options``, ``Tensors`` and ``Request`` (torchattn/request.py, written out there and held to this list by
+tests/test_call_declaration.py) and the tune key (torchattn.tune_cache.Key). How python -m torchattn.aot takes
+a feature lives in torchattn/aot/flags.py; the keywords transformers passes, in patches/attention.py.
 
 Every backend names the features it serves (``Backend.features``). A call that uses a feature a backend does not
 name is refused by it, with the feature's name: a backend serves only what it declares (fail closed), so a
-feature added here is refused everywhere until a backend's math takes it and says so.
+feature added here is refused everywhere until a backend's math takes it and says so. :data:`EVERY_FEATURE` is
+what the full-featured math serves (the Pallas kernels, the blockwise torch ops, the dense reference): one set.
 
-A new static option is a ``Feature`` here with an :func:`option` field, its parameter in flash_attention's
-signature and docstring, and the math of the backends that declare it.
+A new static option is a ``Feature`` here with an ``option`` field, its ``Options`` field, its parameter in
+flash_attention's signature and docstring, and the math of the backends that declare it (its name in their
+set). A new per-(query, key) tensor is a ``Feature`` with a ``tensor(..., Role.PAIRS)`` field (its check:
+:func:`pair_tensor_check`), its ``Tensors`` field and its parameter: every backend reads such tensors by their
+role, adding each to the scores, and gives each its gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import numbers
 from typing import Any, Callable
 
@@ -28,19 +34,25 @@ from .dropout import MASK32, seed_to_uint32
 from .roles import KV_ROWS, PAIRS, Q_ROWS
 from .types import accumulation_dtype, is_bool, type_name
 
-OPTION, TENSOR, REQUEST = "option", "tensor", "request"
 
-
-@dataclasses.dataclass(frozen=True)
-class Field:
-    """Where a validated value goes. OPTION: an ``Options`` field, static, part of every trace's key (``type``:
-    its annotation, which the custom ops' schema takes: torchattn.request._OP_TYPES). TENSOR: a ``Tensors`` (and
-    ``Request``) field, laid out and cut under SPMD by its shape ``role`` (torchattn/roles.py), with a ``heads``
-    dim or not, and a gradient when it requires one (``grad``). REQUEST: a ``Request`` field only, which
+class Kind(enum.Enum):
+    """Where a validated value goes. OPTION: an ``Options`` field, static, part of every trace's key. TENSOR: a
+    ``Tensors`` field, laid out and cut under SPMD by its shape role. REQUEST: a ``Request`` field only, which
     flash_attention itself reads (return_lse) or turns into a per-device table (the dropout seed)."""
 
+    OPTION = "option"
+    TENSOR = "tensor"
+    REQUEST = "request"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Field:
+    """One field a feature's validated values become. ``type``: an OPTION's annotation, which the custom ops'
+    schema takes (torchattn.request._OP_TYPES). ``role``: a TENSOR's shape role (torchattn/roles.py), with a
+    ``heads`` dim or not, and a gradient when it requires one (``grad``)."""
+
     name: str
-    kind: str
+    kind: Kind
     type: str = ""
     role: str = ""
     heads: bool = False
@@ -48,46 +60,25 @@ class Field:
 
 
 def option(name: str, type: str) -> Field:
-    return Field(name, OPTION, type=type)
+    return Field(name=name, kind=Kind.OPTION, type=type)
 
 
 def tensor(name: str, role: str, *, heads: bool, grad: bool = False) -> Field:
-    return Field(name, TENSOR, role=role, heads=heads, grad=grad)
+    return Field(name=name, kind=Kind.TENSOR, role=role, heads=heads, grad=grad)
 
 
 def on_request(name: str) -> Field:
-    return Field(name, REQUEST)
+    return Field(name=name, kind=Kind.REQUEST)
 
 
-@dataclasses.dataclass(frozen=True)
-class Flag:
-    """How ``python -m torchattn.aot`` and ``torchattn.aot.Attention`` take a feature, from shapes alone.
-
-    name: the flag (``--name``) and the word the CLI describes the call with; field: ``Attention``'s field.
-    parse: text -> value, raising ValueError that says what was expected (None: a switch, ``store_true``).
-    arguments(value, attention) -> the flash_attention keyword arguments of that value (meta tensors for
-    tensors: torchattn.aot.attention).
-    """
-
-    name: str
-    field: str
-    default: Any
-    arguments: Callable[[Any, Any], dict]
-    parse: Callable[[str], Any] | None = None
-    choices: tuple | None = None
-    metavar: str | None = None
-    help: str | None = None
-
-
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Feature:
     """name: what backends declare and refusals say (flash_attention's first argument of the feature).
     arguments: (keyword, default) of each flash_attention argument it takes, in signature order.
-    check(call, *values) -> one validated value per field, in ``fields``' order (:class:`Call`: q, k and the
-        fields of the features before it); raises TypeError/ValueError naming the argument.
+    check(call, *values) -> one validated value per field, in ``fields``' order (``call``: :class:`Call`);
+        raises TypeError/ValueError naming the argument.
     used(request) -> whether a validated call uses it (a backend must serve it then).
     tuned(request) -> what of it the tuned block sizes depend on (part of the tune key); None: nothing.
-    hf: the keyword transformers passes it by, when taken as it is (patches/attention.py).
     """
 
     name: str
@@ -96,17 +87,14 @@ class Feature:
     fields: tuple[Field, ...]
     used: Callable[[Any], bool]
     tuned: Callable[[Any], Any] | None = None
-    flag: Flag | None = None
-    hf: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a feature's check reads besides its own arguments: q and k (validated) and earlier fields."""
+    """What a feature's check reads besides its own arguments: q and k, validated."""
 
     q: torch.Tensor
     k: torch.Tensor
-    fields: dict
 
 
 # ---------------------------------------------------------------------------
@@ -143,6 +131,22 @@ def check_window(window):
     return tuple(None if w is None else int(w) for w in window)
 
 
+def _check_causal(call: Call, causal):
+    return (check_bool("causal", causal),)
+
+
+def _check_scale(call: Call, scale):
+    return (positive_float("scale", scale, default=call.q.shape[3] ** -0.5),)
+
+
+def _check_window(call: Call, window):
+    return (check_window(window),)
+
+
+def _check_softcap(call: Call, softcap):
+    return (positive_float("softcap", softcap, None),)
+
+
 def _check_segments(call: Call, segment_ids, kv_segment_ids):
     batch, q_len, kv_len = call.q.shape[0], call.q.shape[2], call.k.shape[2]
     if segment_ids is None and kv_segment_ids is None:
@@ -167,24 +171,31 @@ def _check_segments(call: Call, segment_ids, kv_segment_ids):
     return segments.to_int32(segment_ids, kv_segment_ids)
 
 
-def _check_bias(call: Call, bias):
-    if bias is None:
-        return (None,)
-    q, k = call.q, call.k
-    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"bias: expected a float torch.Tensor, got {type_name(bias)}")
-    if not bias.dtype.is_floating_point:
-        raise TypeError(f"bias: expected a floating dtype, got {bias.dtype}")
-    if bias.device != q.device:
-        raise ValueError(f"bias: expected device {q.device}, got {bias.device}")
-    shape = tuple(bias.shape)
-    if len(shape) > 4 or any(s not in (1, f) for s, f in zip(shape[::-1], full[::-1])):
-        raise ValueError(f"bias: expected a shape broadcastable to (batch, q_heads, q_len, kv_len)={full}, "
-                         f"got {shape}")
-    if bias.dtype != q.dtype:  # the autograd cast returns the gradient in the bias's own dtype
-        bias = bias.to(accumulation_dtype(q.dtype))
-    return (bias.reshape((1,) * (4 - len(shape)) + shape),)
+def pair_tensor_check(name: str):
+    """The check of a per-(query, key) input ``name``: a float tensor broadcastable to (batch, q_heads, q_len,
+    kv_len), made 4-D; one of another float dtype than q is served in q's accumulation dtype (the autograd cast
+    returns its gradient in its own)."""
+    def check(call: Call, t):
+        if t is None:
+            return (None,)
+        q, k = call.q, call.k
+        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: expected a float torch.Tensor, got {type_name(t)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name}: expected a floating dtype, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: expected device {q.device}, got {t.device}")
+        shape = tuple(t.shape)
+        if len(shape) > 4 or any(s not in (1, f) for s, f in zip(shape[::-1], full[::-1])):
+            raise ValueError(f"{name}: expected a shape broadcastable to (batch, q_heads, q_len, kv_len)={full}, "
+                             f"got {shape}")
+        if t.dtype != q.dtype:
+            t = t.to(accumulation_dtype(q.dtype))
+        return (t.reshape((1,) * (4 - len(shape)) + shape),)
+
+    check.__name__ = check.__qualname__ = f"_check_{name}"
+    return check
 
 
 def _check_dropout(call: Call, dropout_p, dropout_seed):
@@ -208,87 +219,46 @@ def _check_dropout(call: Call, dropout_p, dropout_seed):
     return float(dropout_p), torch.tensor([seed_to_uint32(dropout_seed)], dtype=torch.int64, device=device)
 
 
-# ---------------------------------------------------------------------------
-# The AOT CLI's values (torchattn.aot): parsed from text, then given to flash_attention as arguments.
+def _tuned_bias(request):
+    bias = request.inputs.bias
+    return None if bias is None else (tuple(bias.shape), bias.requires_grad)
 
 
-def _window_text(text: str):
-    """LEFT,RIGHT (an empty side or None: unbounded), checked as flash_attention checks ``window``."""
-    sides = text.split(",")
-    if len(sides) != 2 or not all(side in ("", "None") or side.removeprefix("-").isdecimal() for side in sides):
-        raise ValueError(f"expected LEFT,RIGHT, each an integer >= 0 or empty/None (unbounded), got {text!r}")
-    return check_window(tuple(None if side in ("", "None") else int(side) for side in sides))
-
-
-def _float_text(accept, expected: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        if not accept(value):  # NaN (and unparsable text) is refused too
-            raise ValueError(f"expected {expected}, got {text!r}")
-        return value
-    return parse
-
-
-def _meta(*shape, dtype=torch.float32):
-    return torch.empty(*shape, device="meta", dtype=dtype)
-
-
-def _segment_arguments(on: bool, a) -> dict:
-    if not on:
-        return {}
-    return dict(segment_ids=_meta(a.batch, a.q_len, dtype=torch.int32),
-                kv_segment_ids=_meta(a.batch, a.kv_len, dtype=torch.int32))
-
-
-BIAS_SHAPES = {"full": lambda a: (a.batch, a.q_heads, a.q_len, a.kv_len),
-               "broadcast": lambda a: (1, a.q_heads, 1, a.kv_len)}
-
-
-def _bias_arguments(kind: str | None, a) -> dict:
-    return {} if kind is None else dict(bias=_meta(*BIAS_SHAPES[kind](a)).requires_grad_())  # the bias gets a gradient
+def _check_return_lse(call: Call, return_lse):
+    return (check_bool("return_lse", return_lse),)
 
 
 FEATURES: list[Feature] = [
-    Feature("causal", (("causal", False),), lambda call, causal: (check_bool("causal", causal),),
-            (option("causal", "bool"),), used=lambda r: r.options.causal, tuned=lambda r: r.options.causal,
-            flag=Flag("causal", "causal", False, lambda on, a: dict(causal=on))),
-    Feature("scale", (("scale", None),),
-            lambda call, scale: (positive_float("scale", scale, default=call.q.shape[3] ** -0.5),),
-            (option("scale", "float"),), used=lambda r: True, hf="scaling"),  # every call has one
-    Feature("window", (("window", None),), lambda call, window: (check_window(window),),
-            (option("window", "tuple[int | None, int | None] | None"),), used=lambda r: r.options.window is not None,
-            tuned=lambda r: r.options.window,
-            flag=Flag("window", "window", None, lambda window, a: dict(window=window), parse=_window_text,
-                      metavar="LEFT,RIGHT",
-                      help="sliding window around the diagonal; an empty side is unbounded (e.g. 4096,0)")),
-    Feature("softcap", (("softcap", None),), lambda call, softcap: (positive_float("softcap", softcap, None),),
-            (option("softcap", "float | None"),), used=lambda r: r.options.softcap is not None,
-            tuned=lambda r: r.options.softcap is not None,  # its value does not change the work
-            flag=Flag("softcap", "softcap", None, lambda softcap, a: dict(softcap=softcap),
-                      parse=_float_text(lambda x: 0 < x < float("inf"), "a positive number"),
-                      help="logits -> softcap * tanh(logits / softcap)"), hf="softcap"),
-    Feature("segment_ids", (("segment_ids", None), ("kv_segment_ids", None)), _check_segments,
-            (tensor("segment_ids", Q_ROWS, heads=False), tensor("kv_segment_ids", KV_ROWS, heads=False)),
-            used=lambda r: r.segment_ids is not None, tuned=lambda r: r.segment_ids is not None,
-            flag=Flag("segments", "segments", False, _segment_arguments, help="segment ids (packed documents)")),
-    Feature("bias", (("bias", None),), _check_bias, (tensor("bias", PAIRS, heads=True, grad=True),),
-            used=lambda r: r.bias is not None,
-            tuned=lambda r: None if r.bias is None else (tuple(r.bias.shape), r.bias.requires_grad),
-            flag=Flag("bias", "bias", None, _bias_arguments, choices=tuple(BIAS_SHAPES),
-                      help="full: (batch, q_heads, seq_len, kv_len); broadcast: (1, q_heads, 1, kv_len)")),
-    Feature("dropout_p", (("dropout_p", 0.0), ("dropout_seed", None)), _check_dropout,
-            (option("dropout_p", "float"), on_request("seed")), used=lambda r: r.options.dropout_p > 0,
-            tuned=lambda r: r.options.dropout_p > 0,
-            flag=Flag("dropout", "dropout_p", 0.0,
-                      lambda p, a: dict(dropout_p=p, dropout_seed=0 if p > 0 else None),
-                      parse=_float_text(lambda p: 0 <= p < 1, "a probability in [0, 1)"), metavar="P",
-                      help="attention dropout probability")),
-    Feature("return_lse", (("return_lse", False),), lambda call, on: (check_bool("return_lse", on),),
-            (on_request("return_lse"),), used=lambda r: r.return_lse),
+    Feature(name="causal", arguments=(("causal", False),), check=_check_causal,
+            fields=(option("causal", "bool"),),
+            used=lambda r: r.options.causal, tuned=lambda r: r.options.causal),
+    Feature(name="scale", arguments=(("scale", None),), check=_check_scale,
+            fields=(option("scale", "float"),),
+            used=lambda r: True),  # every call has one
+    Feature(name="window", arguments=(("window", None),), check=_check_window,
+            fields=(option("window", "tuple[int | None, int | None] | None"),),
+            used=lambda r: r.options.window is not None, tuned=lambda r: r.options.window),
+    Feature(name="softcap", arguments=(("softcap", None),), check=_check_softcap,
+            fields=(option("softcap", "float | None"),),
+            used=lambda r: r.options.softcap is not None,
+            tuned=lambda r: r.options.softcap is not None),  # its value does not change the work
+    Feature(name="segment_ids", arguments=(("segment_ids", None), ("kv_segment_ids", None)), check=_check_segments,
+            fields=(tensor("segment_ids", Q_ROWS, heads=False), tensor("kv_segment_ids", KV_ROWS, heads=False)),
+            used=lambda r: r.inputs.segment_ids is not None, tuned=lambda r: r.inputs.segment_ids is not None),
+    Feature(name="bias", arguments=(("bias", None),), check=pair_tensor_check("bias"),
+            fields=(tensor("bias", PAIRS, heads=True, grad=True),),
+            used=lambda r: r.inputs.bias is not None,
+            tuned=_tuned_bias),
+    Feature(name="dropout_p", arguments=(("dropout_p", 0.0), ("dropout_seed", None)), check=_check_dropout,
+            fields=(option("dropout_p", "float"), on_request("seed")),
+            used=lambda r: r.options.dropout_p > 0, tuned=lambda r: r.options.dropout_p > 0),
+    Feature(name="return_lse", arguments=(("return_lse", False),), check=_check_return_lse,
+            fields=(on_request("return_lse"),),
+            used=lambda r: r.return_lse),
 ]
+
+# What the full-featured math serves: the Pallas kernels (every mode), the blockwise torch ops, the dense reference.
+EVERY_FEATURE = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "return_lse", "segment_ids", "bias"})
 
 
 def arguments() -> dict[str, Any]:
@@ -296,17 +266,23 @@ def arguments() -> dict[str, Any]:
     return {name: default for feature in FEATURES for name, default in feature.arguments}
 
 
-def fields(kind: str) -> list[Field]:
-    """The fields of ``kind`` (OPTION, TENSOR, REQUEST), in declaration order."""
+def fields(kind: Kind) -> list[Field]:
+    """The fields of ``kind``, in declaration order."""
     return [field for feature in FEATURES for field in feature.fields if field.kind == kind]
+
+
+def pair_inputs() -> list[str]:
+    """The per-(query, key) inputs (a bias, ...): every backend adds each to the scores and gives it its gradient."""
+    return [field.name for field in fields(Kind.TENSOR) if field.role == PAIRS]
 
 
 def validate(q: torch.Tensor, k: torch.Tensor, given: dict) -> dict:
     """{field name: validated value} of every feature, from flash_attention's keyword arguments ``given``
     (features' arguments only; any missing take the declared default), checked in declaration order."""
     values: dict = {}
+    call = Call(q, k)
     for feature in FEATURES:
-        checked = feature.check(Call(q, k, values), *(given.get(name, default) for name, default in feature.arguments))
+        checked = feature.check(call, *(given.get(name, default) for name, default in feature.arguments))
         values.update(zip((field.name for field in feature.fields), checked))
     return values
 
@@ -316,11 +292,12 @@ def tuned(request) -> tuple[tuple[str, Any], ...]:
     return tuple((feature.name, feature.tuned(request)) for feature in FEATURES if feature.tuned is not None)
 
 
-def check_names(backend: str, declared: frozenset[str]) -> None:
-    """TypeError when a backend declares a feature that is not here (a misspelt name would never match)."""
+def check_names(owner: str, declared: frozenset[str]) -> None:
+    """TypeError when a backend (or a compared kernel, torchattn.aot) declares a feature that is not here (a
+    misspelt name would never match)."""
     unknown = sorted(declared - {feature.name for feature in FEATURES})
     if unknown:
-        raise TypeError(f"backend {backend!r}: features {unknown} are not declared in torchattn/features.py")
+        raise TypeError(f"{owner}: features {unknown} are not declared in torchattn/features.py")
 
 
 def unsupported(request, supported: frozenset[str]) -> list[str]:

@@ -23,10 +23,6 @@ from .tiling import LANES, SUBLANES, round_up
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-# The call features (torchattn/features.py) the Pallas kernels serve, in every mode.
-FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "return_lse", "segment_ids", "bias"})
-
-
 def unavailable(request: Request) -> str | None:
     """Why no mode of the kernels can serve ``request`` on its device, which each backend checks first
     (``pallas``: a TPU; ``interpret``: XLA or CPU; ``simulated``: CPU)."""

@@ -30,8 +30,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, up
     if unknown:
         raise TypeError(f"attention_reference: unexpected arguments {unknown}")
     o = {**features.arguments(), **options}
-    causal, scale, window, softcap, bias = (o[name] for name in ("causal", "scale", "window", "softcap", "bias"))
+    causal, scale, window, softcap = (o[name] for name in ("causal", "scale", "window", "softcap"))
     segment_ids, kv_segment_ids, dropout_p = o["segment_ids"], o["kv_segment_ids"], o["dropout_p"]
+    additive = [o[name] for name in features.pair_inputs() if o[name] is not None]
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     compute = torch.float64 if upcast else q.dtype
@@ -44,13 +45,13 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, up
     scores = qc @ kc.transpose(-1, -2) * scale  # (batch, q_heads, q_len, kv_len)
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
-    if bias is not None:
-        scores = scores + bias.to(compute)
+    for term in additive:
+        scores = scores + term.to(compute)
 
     left, right = masks.diagonal_bounds(causal, window)
     mask = masks.dense(q_len, kv_len, left=left, right=right, segment_ids=segment_ids,
                        kv_segment_ids=kv_segment_ids, device=q.device)  # (batch or 1, 1, q_len, kv_len)
-    if bias is not None:  # a -inf bias hides a key like a mask does (as in the blockwise backends); NaN does not
+    if additive:  # a -inf term hides a key like a mask does (as in the blockwise backends); NaN does not
         mask = mask & (scores != float("-inf"))
     # Rows that see nothing get finite dummy scores so logsumexp and its
     # gradient stay finite; their probabilities are zeroed below.

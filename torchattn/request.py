@@ -1,7 +1,8 @@
 """A validated attention call: the tensors plus the static options every backend reads.
 
-The fields of :class:`Options`, :class:`Tensors` and :class:`Request` that carry a call's features are the
-features' own (torchattn/features.py, in its order); the rest are what every call has.
+:class:`Options`, :class:`Tensors` and :class:`Request` are written out here; the fields that carry a call's
+features are the features' own (torchattn/features.py), in its order, which tests/test_call_declaration.py
+holds them to. The rest are what every call has.
 """
 
 from __future__ import annotations
@@ -36,24 +37,27 @@ _OP_TYPES = {
 }
 
 
-class _Options:
-    """Static (hashable) options of one call, validated by torchattn.api; tensors live in :class:`Request`.
-
-    Fields: each OPTION field of the features (torchattn/features.py: causal, scale, window, softcap,
-    dropout_p), then those of every call:
-
-    block_sizes: resolved for this call: the caller's clamped to the lengths, or the
-        default for the device's TPU generation (see ``BlockSizes.default``).
-    generation: the TPU generation the call runs on ("v5e", ...; torchattn.generations), None off
-        TPU: the kernels read their VMEM limit from it, so it is part of every trace's key.
-    sequence_shard: (global q_len, local rows per half) when the call's q is one device's shard of a
-        sequence-sharded call (torchattn.spmd): each half of its rows starts at a global position the
-        per-device ``row_offsets`` give (torchattn.context.row_offsets); None: q's rows are the global ones.
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Static (hashable) options of one call, validated by torchattn.api; tensors live in :class:`Tensors`.
 
     The blockwise backends get them through two custom ops, whose schemas take typed primitives:
     :meth:`op_schema`, :meth:`op_arguments` and :meth:`from_op_arguments` derive that form from the fields,
     each of a type in ``_OP_TYPES``.
     """
+
+    # The features' OPTION fields (torchattn/features.py), in its order.
+    causal: bool
+    scale: float
+    window: tuple[int | None, int | None] | None  # (left, right) keys around the diagonal; None: no window
+    softcap: float | None
+    dropout_p: float
+    # Every call's.
+    block_sizes: BlockSizes  # the caller's clamped to the lengths, or the default (BlockSizes.default)
+    generation: str | None = None  # the TPU generation ("v5e", ...) the kernels' VMEM limit is read from; None off TPU
+    # (global q_len, local rows per half) when q is one device's shard of a sequence-sharded call (torchattn.spmd):
+    # each half of its rows starts at a global position the per-device ``row_offsets`` give; None: rows are global.
+    sequence_shard: tuple[int | None, int | None] | None = None
 
     @property
     def bounds(self) -> tuple[int | None, int | None]:
@@ -76,14 +80,6 @@ class _Options:
         return cls(*[_OP_TYPES[field.type][2](value) for field, value in zip(dataclasses.fields(cls), arguments)])
 
 
-_SHARD = "tuple[int | None, int | None] | None"
-Options = dataclasses.make_dataclass(
-    "Options", [*((field.name, field.type) for field in features.fields(features.OPTION)),
-                ("block_sizes", "BlockSizes"), ("generation", "str | None", dataclasses.field(default=None)),
-                ("sequence_shard", _SHARD, dataclasses.field(default=None))],
-    bases=(_Options,), namespace={"__doc__": _Options.__doc__, "__module__": __name__}, frozen=True)
-
-
 @dataclasses.dataclass(frozen=True)
 class Declared:
     """One field of :class:`Tensors`: its shape role (torchattn/roles.py), whether it has a heads dim,
@@ -102,24 +98,32 @@ _DECLARED = (
     *(Declared(name, role, heads=True, features=True, grad=True, optional=False)
       for name, role in (("q", Q_ROWS), ("k", KV_ROWS), ("v", KV_ROWS))),
     *(Declared(field.name, field.role, heads=field.heads, features=False, grad=field.grad, optional=True)
-      for field in features.fields(features.TENSOR)),
+      for field in features.fields(features.Kind.TENSOR)),
     Declared("dropout_key", PER_DEVICE, heads=True, features=False, grad=False, optional=True),
     Declared("row_offsets", PER_DEVICE, heads=True, features=False, grad=False, optional=True),
 )
 
 
-class _Tensors:
+@dataclasses.dataclass(frozen=True)
+class Tensors:
     """The tensors of one call as they cross the custom ops' boundary: one declaration (``_DECLARED``: q, k,
     v, each TENSOR field of the features, then the per-device tables), from which the ops' tensor arguments,
     their fakes, the autograd Function's saved tensors and gradients, SPMD's shard rules and the kernels'
-    inputs are derived.
+    inputs are derived. Its fields are those, in that order."""
 
-    dropout_key: int64 (3,) on the op side (torchattn.dropout.keys); the global form, before SPMD cuts it,
-    is the (batch shards, head shards, sequence shards, 3) table.
-    row_offsets: int64 (2,) on the op side, present iff ``Options.sequence_shard`` is: the global position of
-    the first row of each half of this device's q rows; globally the (batch shards, head shards, sequence
-    shards, 2) table (torchattn.context.row_offsets).
-    """
+    q: torch.Tensor  # (batch, q_heads, q_len, head_dim)
+    k: torch.Tensor  # (batch, kv_heads, kv_len, head_dim)
+    v: torch.Tensor  # (batch, kv_heads, kv_len, head_dim)
+    # The features' TENSOR fields (torchattn/features.py), in its order.
+    segment_ids: torch.Tensor | None = None  # int32 (batch, q_len)
+    kv_segment_ids: torch.Tensor | None = None  # int32 (batch, kv_len), present whenever segment_ids is
+    bias: torch.Tensor | None = None  # 4-D, each dim 1 or the full (batch, q_heads, q_len, kv_len) size
+    # The per-device tables. On the op side dropout_key is int64 (3,) (torchattn.dropout.keys) and row_offsets int64
+    # (2,), present iff Options.sequence_shard is: the global position of the first row of each half of this
+    # device's q rows. Globally, before SPMD cuts them, each is a (batch shards, head shards, sequence shards, n)
+    # table (torchattn.context.row_offsets).
+    dropout_key: torch.Tensor | None = None
+    row_offsets: torch.Tensor | None = None
 
     @classmethod
     def declared(cls) -> tuple[Declared, ...]:
@@ -153,38 +157,44 @@ class _Tensors:
         return Tensors(*[None if value is None else fn(d, value) for d, value in zip(_DECLARED, self.values())])
 
 
-Tensors = dataclasses.make_dataclass("Tensors", [(d.name, "torch.Tensor | None") for d in _DECLARED],
-                                     bases=(_Tensors,), namespace={"__doc__": _Tensors.__doc__, "__module__": __name__})
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """Inputs after validation."""
 
-
-class _Request:
-    """Inputs after validation.
-
-    q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim).
-    Then the features' TENSOR and CALL fields (torchattn/features.py):
-    segment_ids: int32 (batch, q_len) or None; kv_segment_ids: int32 (batch, kv_len),
-        present whenever segment_ids is.
-    bias: 4-D, each dim 1 or the full (batch, q_heads, q_len, kv_len) size, or None.
-    seed: int64 tensor of shape (1,) holding the 32 seed bits, present iff dropout_p > 0.
-    return_lse: whether the call returns the lse.
-    options: :class:`Options`.
-    sharding: how the inputs are sharded under SPMD (torchattn.sharding.resolve): a Sharding, "whole",
-        "unmarked" or None; found once, at validation, for the backend's choice and its run alike.
-    """
+    inputs: Tensors  # q, k, v and the features' tensors; no per-device tables (:meth:`tensors` adds them)
+    # The features' REQUEST fields (torchattn/features.py), in its order.
+    seed: torch.Tensor | None  # int64 (1,) holding the 32 seed bits, present iff dropout_p > 0
+    return_lse: bool
+    # Every call's.
+    options: Options
+    # How the inputs are sharded under SPMD (torchattn.sharding.resolve): a Sharding, "whole", "unmarked" or None;
+    # found once, at validation, for the backend's choice and its run alike.
+    sharding: object = None
 
     def tensors(self, batch_shards: int = 1, head_shards: int = 1, row_offsets: torch.Tensor | None = None) -> Tensors:
         """The call's tensors, global, with the per-device tables of ``batch_shards`` x ``head_shards`` x
         sequence shards: the dropout key's and, for a sequence-sharded call, ``row_offsets``
         (int64 (sequence shards, 2), torchattn.context.row_offsets)."""
         shards = (batch_shards, head_shards, 1 if row_offsets is None else row_offsets.shape[0])
-        tables = dict(dropout_key=None, row_offsets=None)
+        tables = {}
         if self.seed is not None:
             key = dropout.keys(self.seed, self.batch, self.q_heads, batch_shards, head_shards)
             tables["dropout_key"] = key[:, :, None].expand(*shards, key.shape[-1])
         if row_offsets is not None:
             tables["row_offsets"] = row_offsets.to(self.device).expand(*shards, 2)
-        # Every other declared tensor is the field of the same name here.
-        return Tensors(*[tables[d.name] if d.name in tables else getattr(self, d.name) for d in _DECLARED])
+        return dataclasses.replace(self.inputs, **tables)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.inputs.q
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.inputs.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.inputs.v
 
     @property
     def batch(self) -> int:
@@ -217,11 +227,3 @@ class _Request:
     @property
     def device(self) -> torch.device:
         return self.q.device
-
-
-Request = dataclasses.make_dataclass(
-    "Request", [*((name, "torch.Tensor") for name in ("q", "k", "v")),
-                *((field.name, "object") for kind in (features.TENSOR, features.REQUEST)
-                  for field in features.fields(kind)),
-                ("options", "Options"), ("sharding", "object", dataclasses.field(default=None))],
-    bases=(_Request,), namespace={"__doc__": _Request.__doc__, "__module__": __name__})

@@ -42,10 +42,6 @@ from .types import accumulation_dtype
 _NEG_INF = float("-inf")
 
 
-# The call features (torchattn/features.py) this math serves.
-FEATURES = frozenset({"scale", "causal", "window", "softcap", "dropout_p", "return_lse", "segment_ids", "bias"})
-
-
 def forward(tensors: Tensors, options):
     import torch_xla.debug.profiler as xp
 

@@ -13,6 +13,7 @@ import torch
 
 from . import api, backends, generations, kernel_calls, tune_cache
 from .block_sizes import BlockSizes, candidate_pairs
+from .features import pair_inputs
 from .kernels import vmem
 from .types import is_bool, type_name
 
@@ -90,10 +91,10 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "a
 def _step(q, k, v, features, backend) -> Callable[[BlockSizes], None]:
     """step(block_sizes): one forward+backward of the call on fresh leaves, waited for."""
     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    bias = features.get("bias")
-    if bias is not None and bias.requires_grad:  # its gradient is work the real call does too
-        features = {**features, "bias": bias.detach().requires_grad_()}
-        leaves.append(features["bias"])
+    for name in pair_inputs():  # the gradient of a per-(query, key) input is work the real call does too
+        if features.get(name) is not None and features[name].requires_grad:
+            features = {**features, name: features[name].detach().requires_grad_()}
+            leaves.append(features[name])
 
     def step(block_sizes: BlockSizes) -> None:
         out = api.flash_attention(*leaves[:3], block_sizes=block_sizes, backend=backend, **features)

@@ -25,7 +25,8 @@ from .. import api, generations
 from ..block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
 from . import schedule
-from .attention import BACKWARDS, Attention, compile_attention, flags
+from .attention import BACKWARDS, Attention, compile_attention
+from .flags import FLAGS
 
 MiB = 1 << 20
 
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     shape.add_argument("--head-dim", type=_parsed(_head_dim), required=True)
     shape.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     features = parser.add_argument_group("features")
-    for flag in flags():  # torchattn/features.py declares each
+    for flag in FLAGS:  # torchattn/aot/flags.py declares each
         if flag.parse is None and flag.choices is None:
             features.add_argument("--" + flag.name, dest=flag.field, action="store_true", help=flag.help)
         else:
@@ -122,7 +123,7 @@ def _window_values_attached(argv: list[str]) -> list[str]:
 def attention_from(args: argparse.Namespace) -> Attention:
     return Attention(batch=args.batch, q_heads=args.q_heads, kv_heads=args.kv_heads, q_len=args.seq_len,
                      kv_len=args.kv_len or args.seq_len, head_dim=args.head_dim, dtype=args.dtype,
-                     **{flag.field: getattr(args, flag.field) for flag in flags()})
+                     **{flag.field: getattr(args, flag.field) for flag in FLAGS})
 
 
 def block_sizes(args: argparse.Namespace, attention: Attention, generation: str) -> BlockSizes:
@@ -133,7 +134,7 @@ def block_sizes(args: argparse.Namespace, attention: Attention, generation: str)
 
 
 def describe(attention: Attention) -> str:
-    features = [f"{flag.name}={getattr(attention, flag.field)}" for flag in flags()]
+    features = [f"{flag.name}={getattr(attention, flag.field)}" for flag in FLAGS]
     return (f"batch {attention.batch}, q_heads {attention.q_heads}, kv_heads {attention.kv_heads}, "
             f"seq_len {attention.q_len}, kv_len {attention.kv_len}, head_dim {attention.head_dim}, "
             f"{attention.dtype}; " + ", ".join(features))

@@ -7,20 +7,32 @@ import dataclasses
 import torch
 
 from ..block_sizes import BlockSizes
-from .. import features, kernel_calls
+from .. import kernel_calls
 from ..kernels import COMPILED, arguments, vmem
 from ..request import Request
 from .compiler import Compiled, compile_jax
+from .flags import FLAGS
 
 
-class _Attention:
-    """The shape and features of one attention call, as ``flash_attention`` would get it.
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """The shape and features of one attention call, as ``flash_attention`` would get it: after the shapes,
+    each feature's field as python -m torchattn.aot takes it (torchattn/aot/flags.py, in its order; held to it
+    by tests/test_call_declaration.py)."""
 
-    Fields: batch, q_heads, kv_heads, q_len, kv_len, head_dim, dtype ("float32" or "bfloat16", the dtypes the
-    kernels take; default "bfloat16"), then each feature's AOT field (torchattn/features.py, ``Flag``): causal,
-    window, softcap, segments (bool), bias (None, "full": (batch, q_heads, q_len, kv_len) or "broadcast":
-    (1, q_heads, 1, kv_len)), dropout_p.
-    """
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str = "bfloat16"  # "float32" or "bfloat16", the dtypes the kernels take
+    causal: bool = False
+    window: tuple[int | None, int | None] | None = None
+    softcap: float | None = None
+    segments: bool = False
+    bias: str | None = None  # None; "full": (batch, q_heads, q_len, kv_len); "broadcast": (1, q_heads, 1, kv_len)
+    dropout_p: float = 0.0
 
     def request(self, block_sizes: BlockSizes | None = None, generation: str | None = None) -> Request:
         """The call as ``flash_attention``'s own validation gives it to a backend on ``generation`` (meta
@@ -32,12 +44,12 @@ class _Attention:
         q = torch.empty(self.batch, self.q_heads, self.q_len, self.head_dim, **meta)
         k = torch.empty(self.batch, self.kv_heads, self.kv_len, self.head_dim, **meta)
         given = {}
-        for flag in flags():
+        for flag in FLAGS:
             given.update(flag.arguments(getattr(self, flag.field), self))
         blocks = block_sizes if block_sizes is not None else self.default_block_sizes(generation)
         request = validated(q, k, k, block_sizes=blocks, **given)
-        request.options = dataclasses.replace(request.options, block_sizes=blocks, generation=generation)
-        return request
+        return dataclasses.replace(request, options=dataclasses.replace(request.options, block_sizes=blocks,
+                                                                        generation=generation))
 
     def specs(self, block_sizes: BlockSizes, generation: str):
         """(forward KernelSpec, backward KernelSpec) as the pallas backend builds them on ``generation``."""
@@ -54,18 +66,6 @@ class _Attention:
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
-
-
-def flags() -> list[features.Flag]:
-    """The features' AOT flags, in declaration order."""
-    return [feature.flag for feature in features.FEATURES if feature.flag is not None]
-
-
-Attention = dataclasses.make_dataclass(
-    "Attention", [*((name, "int") for name in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim")),
-                  ("dtype", "str", dataclasses.field(default="bfloat16")),
-                  *((flag.field, "object", dataclasses.field(default=flag.default)) for flag in flags())],
-    bases=(_Attention,), namespace={"__doc__": _Attention.__doc__, "__module__": __name__}, frozen=True)
 
 
 def argument_structs(spec):

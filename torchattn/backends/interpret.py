@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import kernel_calls
+from .. import features, kernel_calls
 from ..backend import Backend
 from ..kernels import INTERPRET
 from ..request import Request
@@ -21,6 +21,6 @@ def unavailable(request: Request) -> str | None:
     return kernel_calls.unavailable(request)
 
 
-BACKEND = Backend("interpret", unavailable, kernel_calls.FEATURES,
+BACKEND = Backend("interpret", unavailable, features.EVERY_FEATURE,
                   forward=functools.partial(kernel_calls.forward, mode=INTERPRET),
                   backward=functools.partial(kernel_calls.backward, mode=INTERPRET), per_device=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import devices, kernel_calls
+from .. import devices, features, kernel_calls
 from ..backend import Backend
 from ..kernels import COMPILED
 from ..request import Request
@@ -27,7 +27,7 @@ def unavailable(request: Request) -> str | None:
 
 
 # Block sizes too large for the chip are the caller's to fix: refused (vmem_checked), no fallback.
-BACKEND = Backend("pallas", unavailable, kernel_calls.FEATURES,
+BACKEND = Backend("pallas", unavailable, features.EVERY_FEATURE,
                   forward=functools.partial(kernel_calls.forward, mode=COMPILED),
                   backward=functools.partial(kernel_calls.backward, mode=COMPILED), per_device=True,
                   vmem_checked=True)

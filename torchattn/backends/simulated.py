@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from .. import kernel_calls
+from .. import features, kernel_calls
 from ..backend import Backend
 from ..kernels import SIMULATED
 from ..request import Request
@@ -31,6 +31,6 @@ def unavailable(request: Request) -> str | None:
     return compat.simulator_missing()
 
 
-BACKEND = Backend("simulated", unavailable, kernel_calls.FEATURES,
+BACKEND = Backend("simulated", unavailable, features.EVERY_FEATURE,
                   forward=functools.partial(kernel_calls.forward, mode=SIMULATED),
                   backward=functools.partial(kernel_calls.backward, mode=SIMULATED), per_device=True)

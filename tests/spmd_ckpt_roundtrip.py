@@ -56,7 +56,8 @@ def state_dict(model, optimizer, scheduler, position: int) -> dict:
 def save(out: str, mesh) -> None:
     import torch_xla
 
-    from train import checkpoint, durable
+    from train import checkpoint
+    from train.checkpoint import durable
 
     model, optimizer, scheduler = build(0, mesh)
     for _ in range(STEP):
@@ -77,7 +78,8 @@ def load(out: str, mesh, mode: str) -> None:
     import torch_xla
     from torch_xla.experimental.distributed_checkpoint import prime_optimizer
 
-    from train import checkpoint, durable
+    from train import checkpoint
+    from train.checkpoint import durable
 
     model, optimizer, scheduler = build(1, mesh)
     checkpointer = checkpoint.Checkpointer(out, every=1, keep=2, sharded=mesh is not None)

@@ -34,7 +34,7 @@ def main(argv: list[str]) -> dict:
     trainer = Trainer(parse_args(argv))
     try:
         summary = trainer.train()
-        _, inputs = next(trainer.spmd.device_batches(trainer.train_loader.epoch(0)))
+        _, inputs = next(trainer.placement.spmd.device_batches(trainer.train_loader.epoch(0)))
     finally:
         trainer.close()
     state = trainer.optimizer.state

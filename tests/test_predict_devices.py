@@ -103,6 +103,19 @@ def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, 
         in err, err
 
 
+def test_compile_only_refuses_a_window_a_dense_mask_would_leave_out_as_the_run_does(tmp_path, capsys):
+    """--compile-only reads the model as a run does (one loading for both): sdpa's dense mask of the packed
+    documents would drop a sliding window shorter than --max-length, so both refuse it."""
+    mistral = train_tiny.save_tiny_causal_lm(str(tmp_path / "mistral"), transformers.MistralConfig, sliding_window=16)
+    capsys.readouterr()  # saving's progress bar
+    run = ["--input", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "out.jsonl")]
+    for flags in (run, ["--compile-only", "v5e"]):
+        assert main(["predict", "--model", mistral, "--attn", "sdpa", "--max-length", "64", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--attn: sdpa reads packed rows through a dense mask, which leaves " \
+            "out the model's sliding window of 16 tokens" in err, err
+
+
 def test_compile_only_on_a_chip_of_two_devices_times_one_device_and_counts_the_chip(llama, capsys):
     """v4: a chip is two TensorCores, each a device of its own running the step at half the chip's peak and
     bandwidth; a chip's documents/s is both devices'."""

@@ -1,5 +1,5 @@
 """How python -m train predict lays documents out: windows of a long document (train/predict/windows.py) and
-whole documents packed into rows (train/packing.py's pack_whole), checked against their definitions on fresh
+whole documents packed into rows (train/data/packing.py's pack_whole), checked against their definitions on fresh
 random lengths."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import train_tiny
-from train.packing import pack_whole, place_whole
+from train.data.packing import pack_whole, place_whole
 from train.predict.windows import CHUNK, TRUNCATE, Cut, cut, starts
 
 PAD = 0

@@ -62,7 +62,7 @@ def test_every_call_runs_on_all_workers_and_creates_or_deletes_nothing(pod, tmp_
     assert shlex.split(train)[-len(TRAIN_FLAGS) - 3:] == [".venv/bin/python", "-m", "train", *TRAIN_FLAGS]
     with tarfile.open(tmp_path / "uploaded.tar.gz") as archive:
         names = set(archive.getnames())
-    assert {"train/checkpoint.py", "scripts/env.sh", "setup.cfg"} <= names
+    assert {"train/checkpoint/__init__.py", "scripts/env.sh", "setup.cfg"} <= names
     assert not any(name.startswith((".venv/", ".git/", "runs/")) for name in names)
 
 

@@ -14,7 +14,8 @@ import sys
 import pytest
 import torch
 
-from train import checkpoint, file_checkpoint, sharded_checkpoint
+from train import checkpoint
+from train.checkpoint import file_format as file_checkpoint, sharded_format as sharded_checkpoint
 from train.__main__ import main
 
 pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)

@@ -1,4 +1,4 @@
-"""Sharded checkpoints (train/checkpoint.py under a torch_xla SPMD mesh): each process writes the
+"""Sharded checkpoints (train/checkpoint/ under a torch_xla SPMD mesh): each process writes the
 shards it holds with torch.distributed.checkpoint; the checkpoint resumes exactly into a run with
 the same mesh and into a single-device run; a save that fails leaves the previous checkpoint."""
 
@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from train import checkpoint, sharded_checkpoint
+from train import checkpoint
+from train.checkpoint import sharded_format as sharded_checkpoint
 
 pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 

@@ -197,7 +197,7 @@ def test_mesh_axes_in_layout_order_from_flag_and_file(tmp_path):
     path = tmp_path / "run.toml"
     path.write_text('mesh = "data=2,fsdp=2"\nbatch-size = 8\n')
     assert parse_args(["--config", str(path)]).parallel.mesh == "data=2,fsdp=2"
-    assert parse_args([]).parallel.mesh == "auto", "no --mesh: decided by the devices (train/parallel.py, default_mesh)"
+    assert parse_args([]).parallel.mesh == "auto", "no --mesh: decided by the devices (train/runtime/, default_mesh)"
     assert parse_args(["--mesh", "none"]).parallel.mesh is None, "one device"
     assert parse_args(["--mesh", "auto", "--batch-size", "3"]).parallel.mesh == "auto", \
         "no batch check before the count"
@@ -270,11 +270,11 @@ LM_CONTEXT = ["--recipe", "sotu-lm", "--max-length", "256", "--batch-size", "2"]
      "--max-length: expected batch lengths that split evenly over the 2 context devices of --mesh context=2, "
      "multiples of 2; got 251, whose batches with --task lm are 251 tokens long"),
     (LM_CONTEXT + ["--mesh", "context=2", "--backend", "xla"],
-     "--backend: expected auto or pallas or interpret with a context axis in --mesh (they run each device's part "
-     "of the sequence), got xla, which runs on the global tensors"),
+     "--backend: expected auto or pallas or interpret or simulated with a context axis in --mesh (they run each "
+     "device's part of the sequence), got xla, which runs on the global tensors"),
     (LM_CONTEXT + ["--mesh", "context=2", "--backend", "reference"],
-     "--backend: expected auto or pallas or interpret with a context axis in --mesh (they run each device's part "
-     "of the sequence), got reference, which runs on the global tensors"),
+     "--backend: expected auto or pallas or interpret or simulated with a context axis in --mesh (they run each "
+     "device's part of the sequence), got reference, which runs on the global tensors"),
     (["--max-length", "256", "--batch-size", "3", "--mesh", "context=3"],
      "--max-length: expected batch lengths that split evenly over the 3 context devices of --mesh context=3, "
      "multiples of 3; got 256, whose batches with --task classification are 64, 128, 256 tokens long"),

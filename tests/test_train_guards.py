@@ -9,13 +9,13 @@ import math
 
 import pytest
 
-from train import guards, metrics
+from train import guards, metrics, runtime
 from train.trainer import lr_factor
 
 
 def test_compilation_after_warm_up_is_a_warning_naming_the_shape(monkeypatch, caplog):
     counts = iter([0, 3, 4, 4, 4, 6])  # the counter torch_xla would report after each graph
-    monkeypatch.setattr(guards, "compile_count", lambda: next(counts))
+    monkeypatch.setattr(runtime, "compile_count", lambda: next(counts))
     watch = guards.CompileWatch()
     with caplog.at_level(logging.WARNING, logger="train"):
         assert watch.after("train", (16, 128), step=1) == 3  # first run: compiles
@@ -32,7 +32,7 @@ def test_compilation_after_warm_up_is_a_warning_naming_the_shape(monkeypatch, ca
 
 def test_jax_traces_after_warm_up_are_counted_and_warned(monkeypatch, caplog):
     traces = iter([0, 5, 5, 5, 7])  # torchattn's JAX traces + lowerings after each graph
-    monkeypatch.setattr(guards, "compile_count", lambda: 0)
+    monkeypatch.setattr(runtime, "compile_count", lambda: 0)
     monkeypatch.setattr(guards, "jax_trace_count", lambda: next(traces))
     watch = guards.CompileWatch()
     with caplog.at_level(logging.WARNING, logger="train"):

@@ -1,4 +1,4 @@
-"""train/packing.py: documents packed into full rows lose no token and never attend or predict across
+"""train/data/packing.py: documents packed into full rows lose no token and never attend or predict across
 a document boundary."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from train.packing import pack_documents
+from train.data.packing import pack_documents
 
 EOS, PAD = 1, 0
 

@@ -1,5 +1,5 @@
 """--resume checks what it resumes before it writes anything, and one output folder holds one run
-at a time (train/lock.py)."""
+at a time (train/checkpoint/lock.py)."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def test_compile_counter_sees_a_new_graph(device):
     """The counter the trainer logs moves when torch_xla compiles (else the test above proves nothing)."""
     import torch_xla
 
-    from train.guards import compile_count
+    from train.runtime import compile_count
 
     before = compile_count()
     total = (torch.arange(11 * 17, device=device).reshape(11, 17) * 3).sum(dim=0)
@@ -175,7 +175,7 @@ def test_final_classification_metrics_match_a_count_of_the_saved_model(classific
 
 
 def test_final_perplexity_matches_a_count_of_the_saved_model(lm_run, docs_csv):
-    from train.splits import load_splits
+    from train.build import load_splits
     from train.tasks.lm import tokenize as tokenize_lm
 
     code, _, out = lm_run

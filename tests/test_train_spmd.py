@@ -26,12 +26,13 @@ import transformers
 import train_tiny
 from torchattn import balanced_order
 from train.__main__ import main
-from train.batches import host_rows
+from train.data.batches import host_rows
 from train.metrics import MetricsFile
-from train.packing import IGNORE_INDEX
-from train.parallel import default_mesh, parameter_spec
+from train.data.packing import IGNORE_INDEX
+from train.runtime import default_mesh
+from train.runtime.torch_xla import parameter_spec
 from train.tasks import classification, lm
-from train.trainer import model_outputs
+from train.models import model_outputs
 
 pytestmark = pytest.mark.xla  # the trainer runs on torch_xla (docs/versions.md)
 
@@ -172,7 +173,7 @@ def test_a_balanced_batch_has_the_natural_loss_and_token_count():
     (natural,) = lm.batches(dataset, **loader).epoch(0)
     (balanced,) = lm.batches(dataset, balance=2, **loader).epoch(0)
     with torch.no_grad():
-        expected, got = model_outputs(model, natural), model_outputs(model, balanced)
+        expected, got = model_outputs(model, natural), model_outputs(model, lm.model_inputs(balanced))
         order = balanced_order(16, 2)
         assert torch.equal(got.logits, expected.logits[:, order]), "position-wise: the logits are reordered"
         reshifted = model_outputs(model, {"input_ids": balanced["input_ids"], "position_ids": balanced["position_ids"],

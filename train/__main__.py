@@ -20,6 +20,11 @@ import logging
 import sys
 import warnings
 
+from . import runtime
+from .command import Command
+from .config import RunConfig, parse_args
+from .metrics import summary_table
+
 
 def main(argv: list[str] | None = None, *, stop_at_step: int | None = None) -> int:
     """The whole run; returns the process exit status. ``stop_at_step`` (tests) acts as a
@@ -52,66 +57,47 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 def _run(argv: list[str] | None, stop_at_step: int | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["predict"]:  # inference over a collection: its own command (train/predict/)
-        from .predict.cli import main as predict
+        from .predict.cli import Predict
 
-        return predict(argv[1:])
-    from .compile_only import require_torch_xla
-    from .config import ConfigError, parse_args
+        return Predict()(argv[1:])
+    return _Train(stop_at_step)(argv)
 
-    try:
-        if not {"-h", "--help"} & set(argv):  # before parsing: an explicit --mesh reads torch_xla's devices
-            require_torch_xla()
-        config = parse_args(argv, devices=_runtime_devices)
-    except ConfigError as error:
-        return _bad_input(error)
 
-    # torch_xla picks the device: a TPU when libtpu finds one, else XLA:CPU.
-    from .errors import DataError
-    from .models import ModelError
+class _Train(Command):
+    PROG = "python -m train"
 
-    if config.compile_only.topology is not None:  # plan a TPU job: HBM per chip from the TPU compiler, no training
-        from .compile_only import run
+    def __init__(self, stop_at_step: int | None):
+        self.stop_at_step = stop_at_step
 
-        try:
-            return run(config)
-        except (ConfigError, DataError, ModelError) as error:
-            return _bad_input(error)
-    from .metrics import summary_table
-    from .trainer import Interrupted, Stopped, Trainer
+    def parse(self, argv: list[str]) -> RunConfig:
+        if not {"-h", "--help"} & set(argv):  # before parsing: an explicit --mesh reads the runtime's devices
+            runtime.require()
+        return parse_args(argv, devices=runtime.devices)
 
-    try:
-        trainer = Trainer(config, stop_at_step=stop_at_step)
-    except (ConfigError, DataError, ModelError) as error:
-        return _bad_input(error)
-    try:
+    def plan(self, config: RunConfig) -> int | None:
+        if config.compile_only.topology is None:
+            return None
+        from .compile_only import run  # HBM per chip from the TPU compiler, no training
+
+        return run(config)
+
+    def start(self, config: RunConfig):
+        from .trainer import Trainer  # the runtime picks the device: a TPU when libtpu finds one, else XLA:CPU
+
+        return Trainer(config, stop_at_step=self.stop_at_step)
+
+    def run(self, trainer) -> dict:
         print(f"output folder: {trainer.config.run.output_dir}", flush=True)
         if trainer.mesh_description is not None:
             print(f"mesh: {trainer.mesh_description}", flush=True)
-        summary = trainer.train()
-    except Interrupted as stop:
-        return 128 + stop.signum
-    except Stopped as error:
-        print(f"python -m train: stopped: {error}", file=sys.stderr)
-        return 1
-    finally:
-        trainer.close()
-    # The task's headline metrics last, on lines of their own (not also in the table).
-    results = trainer.task.result_rows(summary)
-    headline = [(name, value) for name, value in results if name in trainer.task.HEADLINE]
-    print(summary_table(summary, [row for row in results if row not in headline]))
-    print("\n".join(f"{name} {value}" for name, value in headline))
-    return 0
+        return trainer.train()
 
-
-def _runtime_devices() -> tuple[int, str]:
-    from .parallel import runtime_devices  # imports torch: only for an explicit --mesh
-
-    return runtime_devices()
-
-
-def _bad_input(error: Exception) -> int:
-    print(f"python -m train: error: {error}", file=sys.stderr)
-    return 2
+    def report(self, trainer, summary: dict) -> None:
+        # The task's headline metrics last, on lines of their own (not also in the table).
+        results = trainer.task.result_rows(summary)
+        headline = [(name, value) for name, value in results if name in trainer.task.HEADLINE]
+        print(summary_table(summary, [row for row in results if row not in headline]))
+        print("\n".join(f"{name} {value}" for name, value in headline))
 
 
 if __name__ == "__main__":

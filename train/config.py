@@ -39,7 +39,7 @@ SEQUENCE_AXIS = "context"
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 CONFIG_SUFFIXES = (".toml", ".yaml", ".yml")  # --config's and recipe files' formats
 RECIPE_NAMES = tuple(sorted(name.removesuffix(".toml") for name in os.listdir(RECIPE_DIR) if name.endswith(".toml")))
-AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (parallel.default_mesh)
+AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (runtime.default_mesh)
 MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
 
 
@@ -668,6 +668,6 @@ def _changed(name: str, saved, new) -> str:
 
 def save_config(config: RunConfig, path: str) -> None:
     """Writes the resolved configuration as JSON (what --resume reads back), whole or not at all."""
-    from .durable import write_text  # here: it imports torch, which parsing flags does not need
+    from .checkpoint.durable import write_text  # here: it imports torch, which parsing flags does not need
 
     write_text(path, json.dumps(config.to_flat(), indent=2) + "\n")

@@ -8,15 +8,9 @@ import logging
 import resource
 import time
 
+from . import runtime
+
 log = logging.getLogger("train")
-
-
-def compile_count() -> int:
-    """How many graphs torch_xla has compiled in this process so far."""
-    import torch_xla.debug.metrics as met
-
-    data = met.metric_data("CompileTime")
-    return data[0] if data else 0
 
 
 def jax_trace_count() -> int:
@@ -44,14 +38,14 @@ class CompileWatch:
         self.after_warmup = 0
         self.jax_traces_after_warmup = 0
         self._calls: dict[tuple, int] = {}
-        self._last = compile_count()
+        self._last = runtime.compile_count()
         self._last_jax = jax_trace_count()
 
     def after(self, kind: str, shape: tuple[int, ...], step: int) -> int:
         """Call after each synced graph of ``kind`` (e.g. "train", "optimizer", "eval") ran;
         returns how many graphs it compiled. JAX traces and lowerings by torchattn's kernels
         (torchattn.counters) are watched the same way: none may happen after warm-up."""
-        now, jax_now = compile_count(), jax_trace_count()
+        now, jax_now = runtime.compile_count(), jax_trace_count()
         new, self._last = now - self._last, now
         new_jax, self._last_jax = jax_now - self._last_jax, jax_now
         key = (kind, shape)
@@ -86,17 +80,6 @@ def peak_host_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def device_memory(device) -> dict | None:
-    """torch_xla's memory report for ``device`` (bytes_used, bytes_limit, peak_bytes_used on
-    a TPU), or None where the runtime has none."""
-    import torch_xla.core.xla_model as xm
-
-    try:
-        return xm.get_memory_info(device)
-    except Exception:  # XLA:CPU raises: it does not track device memory
-        return None
-
-
 class MemoryWatch:
     """Host and device memory through the run, against the first reading after warm-up.
 
@@ -117,7 +100,7 @@ class MemoryWatch:
 
     def read(self) -> dict[str, int]:
         reading = {"host_rss": host_rss()}
-        device = device_memory(self.device)
+        device = runtime.memory_info(self.device)
         if device and "bytes_used" in device:
             reading["device_bytes"] = int(device["bytes_used"])
         return reading
@@ -140,7 +123,7 @@ class MemoryWatch:
         return reading
 
     def peak_device(self) -> int | None:
-        device = device_memory(self.device)
+        device = runtime.memory_info(self.device)
         if not device:
             return None
         return int(device.get("peak_bytes_used", device.get("bytes_used", 0))) or None
@@ -148,7 +131,7 @@ class MemoryWatch:
 
 class TracingTimer:
     """Host time spent tracing: running a step's Python and building its lazy graph, up to the
-    ``torch_xla.sync()`` that hands the graph to the device (on a TPU, time the chip waits).
+    runtime's ``sync()`` that hands the graph to the device (on a TPU, time the chip waits).
 
     ``measure()`` wraps the work before each sync; ``step_done()`` closes an optimizer step,
     kept when it compiled nothing (steady state). Wall time, and the CPU time of the tracing

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from . import durable
+from .checkpoint import durable
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -128,13 +128,24 @@ def format_bytes(count: float | None) -> str:
     return f"{count / 1024 ** exponent:.1f} {'B KiB MiB GiB TiB'.split()[exponent]}"
 
 
+def compilations_row(summary: dict) -> tuple[str, str]:
+    """The summary's row of the graphs compiled during warm-up and after (train/guards.py's CompileWatch)."""
+    return ("compilations: warm-up / after", f"{summary['compiles_warmup']} / {summary['compiles_after_warmup']}")
+
+
+def memory_rows(summary: dict) -> list[tuple[str, str]]:
+    """The summary's rows of the peak host and device memory."""
+    return [("peak host memory (RSS)", format_bytes(summary["peak_host_bytes"])),
+            ("peak device memory", format_bytes(summary["peak_device_bytes"]))]
+
+
 def summary_table(summary: dict, results: list[tuple[str, str]] = ()) -> str:
     """The summary as the table printed at the end of a run, the task's ``results`` rows first."""
     rows = list(results)
     tokens = summary["tokens_per_s"]
     rows += [
         ("tokens/s (after warm-up)", f"{tokens:,.0f}" if tokens else "n/a (no step after warm-up)"),
-        ("compilations: warm-up / after", f"{summary['compiles_warmup']} / {summary['compiles_after_warmup']}"),
+        compilations_row(summary),
     ]
     if "jax_traces_after_warmup" in summary:
         rows.append(("jax traces after warm-up", str(summary["jax_traces_after_warmup"])))
@@ -142,8 +153,7 @@ def summary_table(summary: dict, results: list[tuple[str, str]] = ()) -> str:
         rows.append(("host tracing per step", f"{summary['tracing_s_per_step']:.3f} s "
                                               f"({summary['tracing_cpu_s_per_step']:.3f} s CPU)"))
     rows += [
-        ("peak host memory (RSS)", format_bytes(summary["peak_host_bytes"])),
-        ("peak device memory", format_bytes(summary["peak_device_bytes"])),
+        *memory_rows(summary),
         ("model", summary["model_dir"]),
         ("checkpoints", summary["checkpoints"]),
     ]

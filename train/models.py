@@ -1,5 +1,6 @@
 """Pretrained models for the trainer: loading (built-in, local folder, .gguf file or hub id), the
-attention implementation, dropout overrides, the position limit, and saving the result.
+attention implementation, dropout overrides, the position limit, a forward without a KV cache, and saving
+the result.
 
     model, tokenizer = load_model("minilm", task="classification", num_labels=5, attn="torchattn",
                                   backend="auto", dropout=None)
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import inspect
 import os
 import pathlib
 
@@ -19,7 +21,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import durable, tasks
+from . import tasks
+from .checkpoint import durable
 from .config import ATTNS, first_line
 from .errors import ModelError
 from .recompute import enable_activation_checkpointing
@@ -280,6 +283,18 @@ def max_positions(config: transformers.PretrainedConfig) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def model_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
+    """The model's outputs for ``inputs`` (its keyword arguments), with no KV cache: training, evaluation and
+    prediction never reuse one, and on XLA building it fails for a sliding window wider than the batch
+    (transformers' DynamicSlidingWindowLayer slices keys at [-window + 1:], which torch clamps and XLA refuses).
+    Asked per call, so config.use_cache, which the saved model generates with, stays as it was. Passed to any
+    forward that takes keyword arguments: wrappers (Gemma 3's classifier, ...) hand it to the inner model."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in parameters):
+        inputs = {**inputs, "use_cache": False}
+    return model(**inputs)
 
 
 def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

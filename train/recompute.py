@@ -3,8 +3,8 @@ recomputes its activations in the backward pass, so long sequences fit in memory
 
 transformers' own ``gradient_checkpointing_enable()`` cannot be used on XLA: it calls
 ``torch.utils.checkpoint``, which looks up ``torch.xla`` for the device's RNG state and fails
-("module 'torch' has no attribute 'xla'"). torch_xla's ``checkpoint`` works there. It restores the
-RNG states of both the CPU generator and the XLA device before recomputing a layer, and then puts
+("module 'torch' has no attribute 'xla'"). torch_xla's ``checkpoint`` works there (runtime.recompute). It
+restores the RNG states of both the CPU generator and the XLA device before recomputing a layer, and then puts
 back the states that came after the forward pass. So the recompute draws the same dropout:
 ``nn.Dropout`` masks on the device, and the seed that patches draws from the CPU generator for
 torchattn's attention dropout. It also puts an optimization barrier in front of the recompute, so
@@ -19,6 +19,8 @@ import types
 
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+from . import runtime
 
 # Keyword arguments that make a layer write a KV cache: a recompute would write it twice.
 _CACHE_ARGUMENTS = {"use_cache": False, "cache": None, "past_key_values": None, "layer_past": None}
@@ -41,12 +43,10 @@ def _checkpointed(layer: torch.nn.Module, *args, **kwargs):
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
             raise NotImplementedError(f"--grad-checkpointing: {type(layer).__name__} gets {key!r}, a tensor that "
                                       f"needs gradients, as a keyword argument; it would get none after recompute")
-    if args and args[0].device.type == "xla":
-        from torch_xla.utils.checkpoint import checkpoint
-
+    if args and args[0].device.type == runtime.DEVICE_TYPE:
         # A method of the layer, so the optimization barrier covers the layer's weights too.
         run = types.MethodType(functools.partial(_run_layer, forward=forward, kwargs=kwargs), layer)
-        return checkpoint(run, *args)
+        return runtime.recompute(run, *args)
     return torch.utils.checkpoint.checkpoint(functools.partial(forward, layer, **kwargs), *args,
                                              use_reentrant=False, preserve_rng_state=True)
 
@@ -56,7 +56,7 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> int:
 
     The layers are the modules transformers marks as its repeated blocks (``GradientCheckpointingLayer``:
     BERT's ``BertLayer``, Llama's ``LlamaDecoderLayer``, ...). In training mode with gradients enabled
-    each runs under torch_xla's checkpoint on XLA (``torch.utils.checkpoint`` elsewhere), with the RNG
+    each runs under the runtime's checkpoint on its device (``torch.utils.checkpoint`` elsewhere), with the RNG
     states of the forward pass restored for the recompute, so dropout masks, torchattn's included, are
     the same in both; in eval mode or under no_grad a layer runs as usual. Raises ValueError when the
     model has no such layer.

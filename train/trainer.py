@@ -7,7 +7,7 @@ holds everything a resumed run needs to continue exactly (model, optimizer, sche
 RNG states, data position), ``load_state_dict()`` restores it.
 
 XLA shapes the loop. Each micro-batch is one graph (forward, backward, gradient
-accumulation) and each optimizer step another, both synced with ``torch_xla.sync()``;
+accumulation) and each optimizer step another, both synced with the runtime's ``sync()``;
 batches have a fixed number of rows and a length from a small set of buckets, so the
 graphs compile once per bucket and then run from the cache. Loss values reach the
 host only on logged steps.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import itertools
 import logging
 import math
@@ -31,30 +30,18 @@ import time
 import numpy as np
 import torch
 
-from . import build, checkpoint, metrics
+from . import build, checkpoint, metrics, runtime
+from .checkpoint.lock import FILE as LOCK_FILE, LockedError, RunLock
 from .config import (CONFIG_FILE, ConfigError, RunConfig, first_few, is_run_config, resume_changes, save_config,
                      saved_config)
+from .errors import Interrupted, Stopped
 from .guards import CompileWatch, MemoryWatch, TracingTimer, peak_host_rss
-from .lock import FILE as LOCK_FILE, LockedError, RunLock
-from .parallel import Spmd
+from .models import cpu_state, model_outputs, save_model
 
 log = logging.getLogger("train")
 
 PROFILE_STEPS = 3  # steps --profile captures, after warm-up
 STATE_KEYS = ("model", "optimizer", "scheduler", "position", "rng")  # state_dict()'s: a checkpoint needs them all
-
-
-class Interrupted(Exception):
-    """Raised by train() after a SIGTERM/SIGINT was handled: the step finished and a checkpoint was written."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class Stopped(Exception):
-    """Raised by train() when it cannot go on (a non-finite loss, a checkpoint that cannot be written);
-    str(e) says why, which checkpoint is the newest intact one and how to resume from it."""
 
 
 @dataclasses.dataclass
@@ -80,40 +67,23 @@ def lr_factor(step: int, *, warmup_steps: int, total_steps: int, schedule: str) 
 
 
 def seed_everything(seed: int, device) -> None:
-    """Seeds every generator a run draws from; torch.manual_seed does not reach the XLA device's."""
-    import torch_xla.core.xla_model as xm
-
+    """Seeds every generator a run draws from; torch.manual_seed does not reach the device's."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    xm.set_rng_state(seed, device)
+    runtime.set_rng_state(seed, device)
 
 
 def autocast(config: RunConfig):
     """--bf16: compute in bfloat16 under autocast; weights, gradients and optimizer state stay float32."""
-    return torch.autocast("xla", dtype=torch.bfloat16, enabled=config.model.bf16)
-
-
-def model_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
-    """The model's outputs for one batch, with no KV cache: training and evaluation never reuse one, and
-    on XLA building it fails for a sliding window wider than the batch (transformers'
-    DynamicSlidingWindowLayer slices keys at [-window + 1:], which torch clamps and XLA refuses).
-    Asked per call, so config.use_cache, which the saved model generates with, stays as it was. Passed to
-    any forward that takes keyword arguments: wrappers (Gemma 3's classifier, ...) hand it to the inner model."""
-    parameters = inspect.signature(model.forward).parameters.values()
-    if any(p.name == "use_cache" or p.kind is p.VAR_KEYWORD for p in parameters):
-        inputs = {**inputs, "use_cache": False}
-    if "shift_labels" in inputs:
-        # Labels shifted before a reorder (train/context_order.py): transformers computes a loss only when
-        # labels are given, and its causal-LM loss then scores shift_labels as they are, without shifting.
-        inputs = {**inputs, "labels": inputs["shift_labels"]}
-    return model(**inputs)
+    return torch.autocast(runtime.DEVICE_TYPE, dtype=torch.bfloat16, enabled=config.model.bf16)
 
 
 def micro_batch_gradients(model: torch.nn.Module, inputs: dict[str, torch.Tensor], config: RunConfig
                           ) -> torch.Tensor:
-    """Forward and backward of one micro-batch already on the device: its gradients, divided by
-    --grad-accum, are added to .grad. Returns the loss, detached (still on the device)."""
+    """Forward and backward of one micro-batch already on the device (``inputs``: the model's keyword arguments,
+    the task's model_inputs): its gradients, divided by --grad-accum, are added to .grad. Returns the loss,
+    detached (still on the device)."""
     with autocast(config):
         loss = model_outputs(model, inputs).loss
     (loss / config.optimizer.grad_accum).backward()
@@ -121,7 +91,7 @@ def micro_batch_gradients(model: torch.nn.Module, inputs: dict[str, torch.Tensor
 
 
 def optimizer_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, config: RunConfig,
-                     spmd: Spmd | None = None) -> None:
+                     spmd: runtime.Spmd | None = None) -> None:
     """The optimizer step after the micro-batches: clip, decay, AdamW, zero the gradients in place."""
     if config.optimizer.max_grad_norm > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
@@ -148,7 +118,7 @@ class Trainer:
         """Checks the inputs, loads data and model, then creates the output folder.
 
         ``stop_at_step`` (tests) makes train() behave as if SIGTERM arrived during that step.
-        Raises ConfigError, data.DataError or models.ModelError (one line each) for bad input.
+        Raises ConfigError, errors.DataError or errors.ModelError (one line each) for bad input.
         """
         self._lock: RunLock | None = None
         try:
@@ -166,25 +136,28 @@ class Trainer:
         transformers.utils.logging.disable_progress_bar()
         if config.run.resume and config.run.output_dir is None:
             raise ConfigError("--resume: needs --output-dir, the folder of the run to continue")
-        config, where = build.placement(config)  # before anything touches the device
+        config, placement = runtime.place(config)  # before anything touches the device
         self.config = config
-        vars(self).update(vars(where))  # self.spmd, self.device, self.is_main, ...: see build.Placement
+        self.placement = placement  # where its tensors live, which process writes (runtime.Placement)
         self.checkpointer = checkpoint.Checkpointer(config.run.output_dir, every=config.checkpoint.save_steps,
-                                                    keep=config.checkpoint.keep_checkpoints, writer=self.is_main,
-                                                    sharded=self.spmd is not None)
+                                                    keep=config.checkpoint.keep_checkpoints, writer=placement.is_main,
+                                                    sharded=placement.spmd is not None)
         self._refuse_other_files()  # before the lock, whose file would be the first written there
-        if self.is_main and os.path.isdir(config.run.output_dir):
+        if placement.is_main and os.path.isdir(config.run.output_dir):
             self._take_lock()  # before its files are read: no other run writes them meanwhile
         self._resume_changes = resume_changes(saved_config(config.run.output_dir), config) if config.run.resume else {}
         self._resume_path = self._check_output_dir()
         self._stop_at_step = stop_at_step
         self._signal: int | None = None
-        seed_everything(config.run.seed, self.device)
+        seed_everything(config.run.seed, placement.device)
 
         # Data and model: every user input is checked here, before anything is written.
-        vars(self).update(vars(build.model_and_data(config, where)))  # self.task, self.model, self.train_loader, ...
-        self.total_steps = build.total_steps(config, len(self.train_loader), self.world)
-        self.model, self.optimizer = build.placed_model(self.model, config, where)
+        built = build.model_and_data(config, placement)
+        self.task = built.task
+        self.tokenizer = built.tokenizer
+        self.train_loader, self.eval_loader = built.train_loader, built.eval_loader
+        self.total_steps = build.total_steps(config, len(self.train_loader), placement.world)
+        self.model, self.optimizer = build.placed_model(built.model, config, placement)
         warmup_steps = int(config.optimizer.warmup * self.total_steps)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_factor(
             step, warmup_steps=warmup_steps, total_steps=self.total_steps, schedule=config.optimizer.lr_schedule))
@@ -203,20 +176,20 @@ class Trainer:
         self._sync("zero_grad", self._zero_grads)
 
         # --- output folder: only now, after every check passed
-        self.metrics = metrics.MetricsFile(config.run.output_dir, writer=self.is_main)
-        if self.is_main and self._lock is None:
+        self.metrics = metrics.MetricsFile(config.run.output_dir, writer=self.placement.is_main)
+        if self.placement.is_main and self._lock is None:
             os.makedirs(config.run.output_dir, exist_ok=True)
             self._take_lock()
         if self._resume_path is not None:
             self._resume_path, state = self._load_newest_intact()
             self.load_state_dict(state)
             self._apply_lr()
-            if self.is_main:
+            if self.placement.is_main:
                 self.metrics.truncate_after(self.position.step)
-        if self.is_main:  # a resume rewrites the run's configuration only once its checkpoint loaded
+        if self.placement.is_main:  # a resume rewrites the run's configuration only once its checkpoint loaded
             save_config(config, os.path.join(config.run.output_dir, CONFIG_FILE))
-        self.memory = MemoryWatch(self.device)
-        self.display = metrics.Progress(self.total_steps, quiet=not self.is_main)
+        self.memory = MemoryWatch(self.placement.device)
+        self.display = metrics.Progress(self.total_steps, quiet=not self.placement.is_main)
         self._step_times: list[tuple[float, int]] = []  # (seconds, tokens) of steps after warm-up
         # The evaluation at the step the run stands at, if one is logged: a resume of a finished run repeats none.
         self._final_eval: dict | None = None if self._resume_path is None else next(
@@ -225,8 +198,8 @@ class Trainer:
         self._profile_end: int | None = None  # last step of the --profile trace; -1 once written
         # Entered once for the whole run (torchattn's kernels per device under --mesh); close() leaves it.
         self._contexts = contextlib.ExitStack()
-        if self.spmd is not None:
-            self._contexts.enter_context(self.spmd.attention())
+        if self.placement.spmd is not None:
+            self._contexts.enter_context(self.placement.spmd.attention())
 
     def _take_lock(self) -> None:
         try:
@@ -299,20 +272,18 @@ class Trainer:
     def state_dict(self) -> dict:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "position": dataclasses.asdict(self.position),
-                "rng": checkpoint.rng_state(self.device)}
+                "rng": checkpoint.rng_state(self.placement.device)}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.position = Position(**state["position"])
-        checkpoint.set_rng_state(state["rng"], self.device)
+        checkpoint.set_rng_state(state["rng"], self.placement.device)
 
     def _state_to_load_into(self) -> dict:
         """state_dict() ready to take a sharded checkpoint in place: the optimizer's state exists."""
-        from torch_xla.experimental.distributed_checkpoint import prime_optimizer
-
-        prime_optimizer(self.optimizer)  # one step with zero gradients creates it
+        runtime.prime_optimizer(self.optimizer)
         return self.state_dict()
 
     # ------------------------------------------------------------------
@@ -368,13 +339,13 @@ class Trainer:
         tokens, compiled = 0, 0
         started = time.perf_counter()
         # Only the batches the remaining steps take: a parallel loader reading ahead then ends with them.
-        needed = (self.total_steps - self.position.step) * config.optimizer.grad_accum * self.world
+        needed = (self.total_steps - self.position.step) * config.optimizer.grad_accum * self.placement.world
         batches = itertools.islice(self.train_loader.epoch(self.position.epoch, start=self.position.batch), needed)
         for index, (batch, inputs) in enumerate(self._placed(batches), start=self.position.batch):
             self.position.batch = index + 1
-            if index % self.world != self.rank:
+            if index % self.placement.world != self.placement.rank:
                 continue
-            tokens += self._tokens(batch)
+            tokens += self.task.tokens(batch)
             loss, new = self._micro_step(inputs)
             micro_losses.append(loss)
             compiled += new
@@ -400,29 +371,22 @@ class Trainer:
     def _zero_grads(self) -> None:
         for parameter in self.model.parameters():
             parameter.grad = torch.zeros_like(parameter)
-        if self.spmd is not None:
-            self.spmd.shard_like_parameters(self.model, self.optimizer)
+        if self.placement.spmd is not None:
+            self.placement.spmd.shard_like_parameters(self.model, self.optimizer)
 
     def _placed(self, batches):
         """(CPU batch, model input) pairs. Under --mesh the input is already on the devices, split over
         the batch axes by torch_xla's parallel loader; otherwise it is the CPU batch, moved in the step."""
-        if self.spmd is None:
+        if self.placement.spmd is None:
             return ((batch, batch) for batch in batches)
-        return self.spmd.device_batches(batches)
+        return self.placement.spmd.device_batches(batches)
 
     def _sync(self, kind: str, work, *args, shape: tuple[int, ...] = (), **kwargs) -> int:
         """Runs ``work`` and executes the graph it traced; returns how many graphs that compiled."""
-        import torch_xla
-
         with self.tracing.measure():  # host time spent tracing: what the device waits for
             work(*args, **kwargs)
-        torch_xla.sync()
+        runtime.sync()
         return self.compiles.after(kind, shape, self.position.step + 1)
-
-    def _tokens(self, batch: dict[str, torch.Tensor]) -> int:
-        if "attention_mask" in batch:
-            return int(batch["attention_mask"].sum())
-        return batch["input_ids"].numel()
 
     def _micro_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         """Forward and backward of one micro-batch, gradients added to .grad; returns its loss
@@ -430,8 +394,8 @@ class Trainer:
         losses = []
 
         def forward_backward():
-            inputs = {name: tensor.to(self.device) for name, tensor in batch.items()}
-            losses.append(micro_batch_gradients(self.model, inputs, self.config))
+            inputs = {name: tensor.to(self.placement.device) for name, tensor in batch.items()}
+            losses.append(micro_batch_gradients(self.model, self.task.model_inputs(inputs), self.config))
 
         compiled = self._sync("train", forward_backward, shape=tuple(batch["input_ids"].shape))
         return losses[0], compiled
@@ -440,7 +404,7 @@ class Trainer:
         """Clip, step, schedule, zero the gradients; returns how many graphs that compiled."""
 
         def update():
-            optimizer_update(self.model, self.optimizer, self.config, self.spmd)
+            optimizer_update(self.model, self.optimizer, self.config, self.placement.spmd)
             self.scheduler.step()
 
         return self._sync("optimizer", update)
@@ -498,23 +462,21 @@ class Trainer:
 
     def _where_to_resume(self) -> str:
         """Which checkpoint a resume would start from, and the command."""
-        intact = self.checkpointer.newest_intact() if self.is_main else None
+        intact = self.checkpointer.newest_intact() if self.placement.is_main else None
         if intact is None:
             return f"No intact checkpoint in {self.checkpointer.directory}: the run has to start again."
         return f"Newest intact checkpoint: {intact}; to resume from it: {self._resume_command()}"
 
     def _profile(self, step: int, compiled: int) -> None:
-        """--profile: a torch_xla trace of PROFILE_STEPS steps, from the first step that compiled nothing."""
+        """--profile: a profiler trace of PROFILE_STEPS steps, from the first step that compiled nothing."""
         if not self.config.logging.profile or self._profile_end == -1:
             return
-        import torch_xla.debug.profiler as xp
-
         if self._profile_end is None and not compiled:
             os.makedirs(self.config.logging.profile, exist_ok=True)
-            xp.start_trace(self.config.logging.profile)
+            runtime.start_profile(self.config.logging.profile)
             self._profile_end = step + PROFILE_STEPS
         elif self._profile_end is not None and step >= self._profile_end:
-            xp.stop_trace()
+            runtime.stop_profile()
             self._profile_end = -1  # done
             self.display.line(f"profile of steps {step - PROFILE_STEPS + 1}-{step} written to "
                               f"{self.config.logging.profile}")
@@ -525,15 +487,13 @@ class Trainer:
     @torch.no_grad()
     def _evaluate(self) -> dict:
         """The task's held-out metrics (its Evaluation: accuracy and macro-F1, perplexity); logged and returned."""
-        import torch_xla
-
         self.model.eval()
         evaluation = self.task.Evaluation()
         for batch, inputs in self._placed(self.eval_loader.epoch(0)):
-            inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
+            inputs = {name: tensor.to(self.placement.device) for name, tensor in inputs.items()}
             with autocast(self.config):
-                evaluation.add(model_outputs(self.model, inputs), inputs)
-            torch_xla.sync()
+                evaluation.add(model_outputs(self.model, self.task.model_inputs(inputs)), inputs)
+            runtime.sync()
             self.compiles.after("eval", tuple(batch["input_ids"].shape), self.position.step)
         result = evaluation.result()
         record = {"step": self.position.step, "eval": True, **result}
@@ -547,15 +507,13 @@ class Trainer:
     # The end
 
     def _finish(self) -> dict:
-        from .models import cpu_state, save_model
-
         config = self.config
         model_dir = os.path.join(config.run.output_dir, "model")
         records = self.metrics.read()
-        model = self.accelerator.unwrap_model(self.model) if self.accelerator else self.model
+        model = self.placement.accelerator.unwrap_model(self.model) if self.placement.accelerator else self.model
         # Under --mesh every host takes part in copying the sharded weights to the CPU (a collective).
-        state = cpu_state(model) if self.spmd or self.is_main else None
-        if self.is_main:
+        state = cpu_state(model) if self.placement.spmd or self.placement.is_main else None
+        if self.placement.is_main:
             save_model(model, self.tokenizer, model_dir, state)
             metrics.plot_loss(records, os.path.join(config.run.output_dir, metrics.PLOT_FILE), self.task.plot_eval)
         seconds = sum(t for t, _ in self._step_times)
@@ -577,17 +535,15 @@ class Trainer:
     def mesh_description(self) -> str | None:
         """The devices the run trains on, as printed at its start and in the summary: the mesh, and
         why when --mesh auto decided (None for one device on a host with one)."""
-        if self.spmd is None:
-            return self.mesh_note
-        return self.spmd.description + (f", {self.mesh_note}" if self.mesh_note else "")
+        if self.placement.spmd is None:
+            return self.placement.mesh_note
+        return self.placement.spmd.description + (f", {self.placement.mesh_note}" if self.placement.mesh_note else "")
 
     def close(self) -> None:
         """Releases what train() may have left open (a profile trace), leaves the run's contexts and
         frees the output folder for the next run."""
         self._contexts.close()
         if self.config.logging.profile and self._profile_end not in (None, -1):
-            import torch_xla.debug.profiler as xp
-
-            xp.stop_trace()
+            runtime.stop_profile()
             self._profile_end = -1
         self._release_lock()

@@ -1,7 +1,7 @@
 """A task written as a user would add one: regression of a document's length (its words, scaled), a
-one-output head on a pretrained encoder, mean squared error on the held-out split. It lives outside
-train/tasks/ only so the test can add it at runtime (tests/test_train_new_task.py); nothing else in
-train/ knows it."""
+one-output head on a pretrained encoder, mean squared error on the held-out split; python -m train predict
+gives each document its predicted word count. It lives outside train/tasks/ only so the test can add it at
+runtime (tests/test_train_new_task.py); nothing else in train/ knows it."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import numpy as np
 import torch
 import transformers
 
-from train import batches as batches_module
-from train import splits
+from train.data import batches as batches_module
+from train.data import splits
 from train.errors import ModelError, check_max_length
+from train.tasks import classification
 
 LABELED = False  # its target comes from the text, not a column
 CAUSAL = False
@@ -82,6 +83,10 @@ def batches(dataset, *, buckets, pad_id, balance=None, **loader) -> batches_modu
                                            pad_id=pad_id), **loader)
 
 
+def tokens(batch: dict[str, torch.Tensor]) -> int:
+    return int(batch["attention_mask"].sum())
+
+
 def check_head(num_labels, label_names) -> None:
     if num_labels is not None or label_names is not None:
         raise ModelError("doc_length: a regression head has one output and no labels")
@@ -125,3 +130,11 @@ HEADLINE = ("mse",)
 
 def plot_eval(axis, evals: list[dict]) -> None:
     axis.plot([r["step"] for r in evals], [r["mse"] for r in evals], "o--", label="held-out mse")
+
+
+class Head(classification.Head):
+    """The regression head read as the classification head is (its own forward on every token of a packed row);
+    a document's output is its predicted word count."""
+
+    def fields(self, windows: list[np.ndarray]) -> dict:
+        return {"words": float(np.mean(windows)) * SCALE if windows else None}

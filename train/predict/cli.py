@@ -1,4 +1,4 @@
-"""python -m train predict: parse, build, predict, close.
+"""python -m train predict: parse, build, predict, close (train/command.py).
 
     python -m train predict --model runs/x/model --input articles/ --output labels.jsonl
     python -m train predict --model smollm2-135m --input speeches.csv --output scores.parquet --long chunk
@@ -15,53 +15,41 @@ from __future__ import annotations
 import signal
 import sys
 
-from ..compile_only import require_torch_xla
-from ..config import ConfigError
-from ..errors import DataError, ModelError
-from .config import parse_args
-
-BAD_INPUT = (ConfigError, DataError, ModelError)
+from .. import runtime
+from ..command import Command
+from .config import PredictConfig, parse_args
+from .report import summary_table
 
 
-def main(argv: list[str]) -> int:
-    """The whole command; returns the process exit status."""
-    try:
+class Predict(Command):
+    PROG = "python -m train predict"
+
+    def parse(self, argv: list[str]) -> PredictConfig:
         config = parse_args(argv)
-        require_torch_xla()
-    except ConfigError as error:
-        return _bad_input(error)
-    if config.compile_only is not None:  # plan a TPU job: HBM per chip from the TPU compiler, nothing predicted
-        from .compile import run
+        runtime.require()
+        return config
 
-        try:
-            return run(config)
-        except BAD_INPUT as error:
-            return _bad_input(error)
-    from .job import Interrupted, Job
-    from .report import summary_table
+    def plan(self, config: PredictConfig) -> int | None:
+        if config.compile_only is None:
+            return None
+        from .compile import run  # HBM per chip from the TPU compiler, nothing predicted
 
-    try:
-        job = Job(config)
-    except BAD_INPUT as error:
-        return _bad_input(error)
-    try:
-        summary = job.run()
-    except BAD_INPUT as error:  # refused when the output folder is taken (another run's lock)
-        return _bad_input(error)
-    except Interrupted as stop:
+        return run(config)
+
+    def start(self, config: PredictConfig):
+        from .job import Job
+
+        return Job(config)
+
+    def run(self, job) -> dict | None:
+        return job.run()
+
+    def interrupted(self, job, signum: int) -> None:
         left = [index for index in range(job.shard_count) if not job.output.done(index)]
-        name = "Ctrl-C" if stop.signum == signal.SIGINT else signal.Signals(stop.signum).name
-        print(f"python -m train predict: interrupted ({name}): {job.shard_count - len(left)} of {job.shard_count} "
-              f"shards written; the same command resumes at shard {left[0] if left else job.shard_count}",
-              file=sys.stderr)
-        return 128 + stop.signum
-    finally:
-        job.close()
-    if summary is not None:
-        print(summary_table(summary))
-    return 0
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"{self.PROG}: interrupted ({name}): {job.shard_count - len(left)} of {job.shard_count} shards "
+              f"written; the same command resumes at shard {left[0] if left else job.shard_count}", file=sys.stderr)
 
-
-def _bad_input(error: Exception) -> int:
-    print(f"python -m train predict: error: {error}", file=sys.stderr)
-    return 2
+    def report(self, job, summary: dict | None) -> None:
+        if summary is not None:
+            print(summary_table(summary))

@@ -28,12 +28,12 @@ import torch
 from torchattn import devices, generations, roofline
 from torchattn.aot import other_stack
 
-from .. import compile_only, models
+from .. import compile_only, runtime
 from ..config import ConfigError
-from ..packing import pack_whole
-from . import heads, windows
-from .config import PredictConfig, lengths
-from .runner import documents_mask, is_causal
+from ..data.packing import pack_whole
+from . import model
+from .config import PredictConfig
+from .runner import is_causal, step_inputs
 
 
 def run(config: PredictConfig) -> int:
@@ -45,23 +45,16 @@ def run(config: PredictConfig) -> int:
         other_stack.compiler_for(target.generation, one_chip=target.chips == 1)
     except ValueError as error:
         raise ConfigError(f"--compile-only: {error}") from None
-    model_config, where, load = models.pretrained_config(config.model)
-    task = config.task or heads.default_task(model_config)
-    head_class = heads.head_class(task)
-    head_class.check(model_config, config.model)
-    tokenizer = models.load_tokenizer(config.model, where, load)
-    max_length, batch_tokens, _, _ = lengths(config, models.max_positions(model_config),
-                                             windows.Cut.of(tokenizer).specials, not head_class.SPECIALS_PER_WINDOW)
-    model_config.pad_token_id = tokenizer.pad_token_id
+    loaded = model.load(config)
+    max_length, batch_tokens = loaded.lengths.max_length, loaded.lengths.batch_tokens
     per_row, rows = batch_tokens // max_length, config.rows_per_device
-    print(f"compile-only: {config.model} ({task}), --attn {config.attn}, float32; {rows} row{'s' * (rows > 1)} of "
-          f"{batch_tokens} tokens ({per_row} document{'s' * (per_row > 1)} of {max_length} each) per chip of "
-          f"{target.topology}, libtpu's compiler", flush=True)
-    layers = model_config.get_text_config().num_hidden_layers
+    print(f"compile-only: {config.model} ({loaded.task}), --attn {config.attn}, float32; {rows} "
+          f"row{'s' * (rows > 1)} of {batch_tokens} tokens ({per_row} document{'s' * (per_row > 1)} of {max_length} "
+          f"each) per chip of {target.topology}, libtpu's compiler", flush=True)
+    layers = loaded.model_config.get_text_config().num_hidden_layers
     with devices.seen_as_tpu(target.generation):
         try:
-            text = _step_graph(model_config, config, task, head_class, max_length, batch_tokens,
-                               tokenizer.pad_token_id)
+            text = _step_graph(loaded, config)
         finally:
             gc.collect()  # the traced step's tensors, unmaterialised, before anything else may sync
         row = compile_only.compile_row(text, 0, target, config.attn, batch_tokens)
@@ -86,23 +79,17 @@ def _time_estimate(row: compile_only.Row, generation: str, documents: int, token
             f"{devices * tokens / seconds:,.0f} tokens/s")
 
 
-def _step_graph(model_config, config: PredictConfig, task: str, head_class, max_length: int, batch_tokens: int,
-                pad_id: int) -> str:
-    """StableHLO of one step: --rows-per-device rows of documents of ``max_length`` random tokens packed whole."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    model = models.build_model(model_config, model=config.model, task=task, attn=config.attn, backend="auto",
-                               dropout=None, grad_checkpointing=False, weights=None, auto_class=head_class.MODEL_CLASS)
-    model = compile_only.with_placeholders(model).eval()
-    vocab = model_config.get_text_config().vocab_size
+def _step_graph(loaded: model.Loaded, config: PredictConfig) -> str:
+    """StableHLO of one step: --rows-per-device rows of documents of --max-length random tokens packed whole."""
+    empty = compile_only.with_placeholders(model.build(loaded, config, weights=False))
+    max_length, batch_tokens = loaded.lengths.max_length, loaded.lengths.batch_tokens
+    vocab = loaded.model_config.get_text_config().vocab_size
     documents = np.random.default_rng(0).integers(0, vocab, (config.rows_per_device * (batch_tokens // max_length),
                                                              max_length))
-    packed = pack_whole(documents, row_length=batch_tokens, pad_id=pad_id)
-    inputs = {name: torch.from_numpy(packed[name]).to(torch_xla.device()) for name in ("input_ids", "position_ids")}
-    if config.attn != "torchattn":
-        segment_ids = torch.from_numpy(packed["segment_ids"]).to(torch_xla.device())
-        inputs["attention_mask"] = documents_mask(segment_ids, causal=is_causal(model), dtype=torch.float32)
+    packed = pack_whole(documents, row_length=batch_tokens, pad_id=loaded.tokenizer.pad_token_id)
+    batch = {name: torch.from_numpy(packed[name]).to(runtime.device())
+             for name in ("input_ids", "position_ids", "segment_ids")}
+    inputs = step_inputs(batch, dense_mask=config.attn != "torchattn", causal=is_causal(empty), dtype=torch.float32)
     with torch.no_grad():
-        outputs = head_class(model.config).outputs(model, inputs)
-    return xm.get_stablehlo([outputs])
+        outputs = loaded.head(empty.config).outputs(empty, inputs)
+    return runtime.stablehlo([outputs])

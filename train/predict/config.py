@@ -9,8 +9,8 @@ import json
 import os
 from typing import NamedTuple
 
+from .. import tasks
 from ..config import ATTNS, AUTO_MESH, CONFIG_FILE, ConfigError, Parser, is_run_config, mesh_axes
-from .heads import TASKS
 from .shards import FORMATS
 from .windows import CHUNK, LONG, TRUNCATE
 
@@ -24,7 +24,7 @@ class PredictConfig:
     model: str
     input: str | None = None
     output: str | None = None
-    task: str | None = None  # None: the model's own (heads.default_task)
+    task: str | None = None  # None: the model's own (tasks.default_task)
     batch_tokens: int | None = None
     rows_per_device: int = 1
     max_length: int | None = None
@@ -44,7 +44,7 @@ class PredictConfig:
                                       "go to), unless --compile-only")
             if os.path.splitext(self.output)[1].lower() not in FORMATS:
                 raise ConfigError(f"--output: expected a file ending in {' or '.join(FORMATS)}, got {self.output!r}")
-        for flag, value, choices in (("--task", self.task, (None, *TASKS)), ("--attn", self.attn, ATTNS),
+        for flag, value, choices in (("--task", self.task, (None, *tasks.PREDICT_TASKS)), ("--attn", self.attn, ATTNS),
                                      ("--long", self.long, LONG)):
             if value not in choices:
                 raise ConfigError(f"{flag}: expected one of {', '.join(c for c in choices if c)}, got {value!r}")
@@ -125,7 +125,7 @@ def build_parser() -> Parser:
     add("--input", help="a folder of .txt files or of label folders, a .jsonl/.json/.csv/.parquet file (see "
                         "--text-column) or a built-in data set, read as training reads --dataset")
     add("--output", help="a .jsonl or .parquet file: one row per document, in input order")
-    add("--task", help=f"{'|'.join(TASKS)} (default: what the model was saved as: a sequence classifier "
+    add("--task", help=f"{'|'.join(tasks.PREDICT_TASKS)} (default: what the model was saved as: a sequence classifier "
                        "classifies, a causal LM scores, any other model embeds)")
     add("--batch-tokens", type=int, help="tokens of a packed row (default max"
                                          f"({DEFAULT_BATCH_TOKENS}, --max-length))")

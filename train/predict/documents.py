@@ -1,5 +1,5 @@
 """The documents ``python -m train predict`` reads (--input), read as training reads its --dataset
-(train/data.py: the same formats, the same skipping of hidden files and blank texts, the same errors),
+(train/data/sources.py: the same formats, the same skipping of hidden files and blank texts, the same errors),
 with an id for each, and which of them this process predicts.
 
     documents = read("docs.jsonl", text_column="text")
@@ -12,7 +12,7 @@ import dataclasses
 import hashlib
 import json
 
-from .. import data
+from ..data import sources
 from ..errors import DataError
 
 FLAG = "--input"
@@ -37,13 +37,13 @@ class Documents:
 
 def read(source: str, *, text_column: str) -> Documents:
     """The documents of ``source`` (--input: a folder of .txt files or of label folders, a .jsonl, .json, .csv
-    or .parquet file, a built-in data set, ...; train/data.py), in its order. A source with several splits
+    or .parquet file, a built-in data set, ...; train/data/sources.py), in its order. A source with several splits
     gives them one after the other, their ids prefixed with the split's name. Raises DataError (one line)
     for what training refuses, and for a source without documents."""
-    splits = data.open_source(source, flag=FLAG)
+    splits = sources.open_source(source, flag=FLAG)
     ids, texts = [], []
     for name, split in splits.items():
-        kept_texts, kept = data.texts_of(split, text_column, source)
+        kept_texts, kept = sources.texts_of(split, text_column, source)
         column = next((c for c in ("path", "id") if c in split.column_names), None)
         own = list(split[column]) if column else list(range(len(split)))
         ids += [f"{name}/{own[i]}" if len(splits) > 1 else own[i] for i in kept]

@@ -3,9 +3,9 @@ written (``Job(config)``), then the shards this process owns predicted and writt
 ``close()`` always.
 
 Per shard (--shard-size documents in input order): the documents are tokenized and cut into windows
-(windows.py), the windows packed whole into rows of --batch-tokens (train/packing.py), the rows run a
-step at a time (runner.py), each window's outputs read back into its document (heads/), and the
-shard's rows written atomically (shards.py).
+(windows.py), the windows packed whole into rows of --batch-tokens (train/data/packing.py), the rows run a
+step at a time (runner.py), each window's outputs read back into its document (the task's Head,
+train/tasks/), and the shard's rows written atomically (shards.py).
 """
 
 from __future__ import annotations
@@ -18,24 +18,15 @@ import threading
 import time
 
 import numpy as np
-import torch
 
-from .. import models
-from ..config import ConfigError
+from .. import runtime
+from ..data.packing import pack_whole
+from ..errors import Interrupted
 from ..guards import MemoryWatch, peak_host_rss
-from ..packing import pack_whole
 from . import documents as documents_module
-from . import heads, manifest, shards, windows
-from .config import PredictConfig, lengths
+from . import manifest, model, shards, windows
+from .config import PredictConfig
 from .report import MEASURED_STEPS, Progress
-
-
-class Interrupted(Exception):
-    """SIGTERM or Ctrl-C arrived; the shards written before it stay, the same command resumes after them."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 @dataclasses.dataclass
@@ -64,21 +55,16 @@ class Job:
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
         self.config = config
-        model_config, where, load = models.pretrained_config(config.model)
-        self.task = config.task or heads.default_task(model_config)
-        head_class = heads.head_class(self.task)
-        head_class.check(model_config, config.model)
-        self.tokenizer = models.load_tokenizer(config.model, where, load)
-        self.frame = windows.Cut.of(self.tokenizer)
-        self.specials_per_window = head_class.SPECIALS_PER_WINDOW
-        self.max_length, self.batch_tokens, self.stride, self.max_length_from = lengths(
-            config, models.max_positions(model_config), self.frame.specials, not self.specials_per_window)
-        _check_window(model_config, config.attn, self.max_length)
+        loaded = model.load(config)
+        self.task, self.tokenizer, self.frame = loaded.task, loaded.tokenizer, loaded.frame
+        self.specials_per_window = loaded.head.SPECIALS_PER_WINDOW
+        self.max_length, self.batch_tokens, self.stride, self.max_length_from = loaded.lengths
         self.documents = documents_module.read(config.input, text_column=config.text_column)
         self.shard_count = math.ceil(len(self.documents) / config.shard_size)
         settings = dict(task=self.task, max_length=self.max_length, long=config.long, stride=self.stride,
                         text_column=config.text_column, shard_size=config.shard_size)
-        own = manifest.manifest(model=config.model, model_sha256=manifest.model_fingerprint(config.model, where, load),
+        own = manifest.manifest(model=config.model,
+                                model_sha256=manifest.model_fingerprint(config.model, loaded.where, loaded.load),
                                 source=config.input, documents=len(self.documents),
                                 input_sha256=self.documents.fingerprint(), settings=settings, shards=self.shard_count)
         self.output = shards.Output(config.output, own)
@@ -86,16 +72,14 @@ class Job:
         self.runner = None
         if self.state == shards.COMPLETE:
             return
-        from .runner import Runner, resolve_mesh
+        from .runner import Runner
 
-        mesh = resolve_mesh(config.mesh)  # before anything touches the device: SPMD turns on here
-        model_config.pad_token_id = self.tokenizer.pad_token_id  # a decoder's classifier finds a sequence's end by it
-        model = models.build_model(model_config, model=config.model, task=self.task, attn=config.attn, backend="auto",
-                                   dropout=None, grad_checkpointing=False, weights=(where, load, torch.float32),
-                                   auto_class=head_class.MODEL_CLASS).eval()
-        self.head = head_class(model.config)
-        self.head.prepare(model)
-        self.runner = Runner(model, self.head, mesh=mesh, dense_mask=config.attn != "torchattn",
+        # Before anything touches the device: SPMD turns on here. Data-parallel: a copy of the model on every device.
+        mesh, _ = runtime.resolve_mesh(config.mesh, axis="data")
+        built = model.build(loaded, config, weights=True)
+        self.head = loaded.head(built.config)
+        self.head.prepare(built)
+        self.runner = Runner(built, self.head, mesh=mesh, dense_mask=config.attn != "torchattn",
                              rows_per_device=config.rows_per_device)
         self._signal: int | None = None
 
@@ -236,13 +220,3 @@ class Job:
         return [{"id": self.documents.ids[shard.first + document], "tokens": tokens, "truncated": truncated,
                  "windows": count, **self.head.fields(shard.results[document])}
                 for document, (tokens, truncated, count) in enumerate(shard.meta)]
-
-
-def _check_window(model_config, attn: str, max_length: int) -> None:
-    """sdpa and eager get the documents' mask as a dense mask, in place of the model's own: a sliding window
-    would be lost in it. ConfigError when a window is shorter than a document can be."""
-    window = getattr(model_config.get_text_config(), "sliding_window", None)
-    if attn != "torchattn" and isinstance(window, int) and window < max_length:
-        raise ConfigError(f"--attn: {attn} reads packed rows through a dense mask, which leaves out the model's "
-                          f"sliding window of {window} tokens, shorter than --max-length {max_length}; use --attn "
-                          "torchattn (it keeps the window), or --max-length at most the window")

@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 
-from .. import durable
+from ..checkpoint import durable
 from ..config import ConfigError
 
 FILE = "manifest.json"

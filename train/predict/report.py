@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from ..metrics import Bar, format_bytes, table
+from ..metrics import Bar, compilations_row, memory_rows, table
 
 # The fewest steps after warm-up a tokens/s is given for: the host reads each step's outputs while the next one runs
 # (runner.py), so the clock may be off by up to a step's time, at most a tenth of ten steps'.
@@ -53,11 +53,10 @@ def summary_table(summary: dict) -> str:
         ("tokens", f"{summary['tokens']:,}"),
         ("max length", f"{summary['max_length']} ({summary['max_length_from']})"),
         ("padding share", f"{summary['padding_share']:.1%}"),
-        ("compilations: warm-up / after", f"{summary['compiles_warmup']} / {summary['compiles_after_warmup']}"),
+        compilations_row(summary),
         ("tokens/s (after warm-up)", f"{tokens_per_s:,.0f}" if tokens_per_s is not None else
          f"n/a: too few steps to measure ({summary['steps_after_warmup']} after warm-up; it takes {MEASURED_STEPS})"),
-        ("peak host memory (RSS)", format_bytes(summary["peak_host_bytes"])),
-        ("peak device memory", format_bytes(summary["peak_device_bytes"])),
+        *memory_rows(summary),
         ("devices", summary["devices"]),
         ("output", summary["output"]),
     ]

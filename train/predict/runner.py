@@ -16,40 +16,25 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from .. import build
-from ..batches import host_rows
-from ..config import AUTO_MESH, batch_devices, mesh_axes
+from .. import runtime
+from ..config import batch_devices, mesh_axes
+from ..data.batches import host_rows
 from ..guards import CompileWatch
-
-
-def resolve_mesh(mesh: str | None) -> str | None:
-    """--mesh with auto decided: data-parallel over every device when the process has several (a copy of the
-    model on each, --rows-per-device rows each per step), else None: one device. Counting devices starts
-    torch_xla's runtime but touches no device, so SPMD can still be turned on."""
-    if mesh != AUTO_MESH:
-        return mesh
-    from ..parallel import launched_per_chip, runtime_devices
-
-    devices, _ = runtime_devices()
-    return f"data={devices}" if devices > 1 and not launched_per_chip() else None
 
 
 class Runner:
     def __init__(self, model: torch.nn.Module, head, *, mesh: str | None, dense_mask: bool, rows_per_device: int = 1):
         """``model`` (on the CPU, eval mode) placed on one device (``mesh`` None) or over the SPMD ``mesh``;
-        ``head`` (heads/) computes the step's outputs; ``dense_mask``: pass the documents' mask as a dense
-        4-D mask (sdpa, eager) instead of leaving it to the position ids (torchattn); ``rows_per_device``: rows
-        of each step on each device of the batch axes."""
-        import torch_xla
-        import torch_xla.runtime as xr
-
-        self.spmd = build.spmd(mesh) if mesh is not None else None
+        ``head`` (the task's Head, train/tasks/) computes the step's outputs; ``dense_mask``: pass the documents'
+        mask as a dense 4-D mask (sdpa, eager) instead of leaving it to the position ids (torchattn);
+        ``rows_per_device``: rows of each step on each device of the batch axes."""
+        self.spmd = runtime.spmd(mesh) if mesh is not None else None
         if self.spmd is None:
-            self.device = torch_xla.device()
+            self.device = runtime.device()
             self.model = model.to(self.device)
             self.rows = rows_per_device
             # Processes started one per chip (xmp.spawn) each predict their own share.
-            self.part = (xr.process_index(), xr.process_count())
+            self.part = runtime.process()
         else:
             self.device = self.spmd.device
             self.model = self.spmd.shard_model(model)
@@ -57,7 +42,7 @@ class Runner:
             # Hosts that feed parts of a global batch split the documents; with a model or context axis every
             # host feeds the whole batch, so each predicts every shard (and writes the same bytes).
             self.part = self.spmd.part
-        self.process = xr.process_index()
+        self.process, _ = runtime.process()
         self.head = head
         self.dense_mask = dense_mask
         self.causal = is_causal(model)
@@ -102,16 +87,12 @@ class Runner:
         return int(inputs["steps"].max().item())
 
     def _step(self, inputs: dict[str, torch.Tensor], shape: tuple[int, ...], count: int) -> tuple[torch.Tensor, int]:
-        import torch_xla
-
         with torch.no_grad():
             inputs = {name: tensor.to(self.device) for name, tensor in inputs.items()}
-            given = {"input_ids": inputs["input_ids"], "position_ids": inputs["position_ids"]}
-            if self.dense_mask:
-                given["attention_mask"] = documents_mask(inputs["segment_ids"], causal=self.causal,
-                                                         dtype=next(self.model.parameters()).dtype)
+            given = step_inputs(inputs, dense_mask=self.dense_mask, causal=self.causal,
+                                dtype=next(self.model.parameters()).dtype)
             outputs = self.head.outputs(self.model, given)
-        torch_xla.sync()
+        runtime.sync()
         return outputs, self.compiles.after("predict", shape, count)
 
     def _read(self, outputs: torch.Tensor) -> np.ndarray:
@@ -121,6 +102,16 @@ class Runner:
         if self.spmd is not None and self.part[1] > 1:
             values = values[host_rows(self.rows, *self.part)]
         return values
+
+
+def step_inputs(batch: dict[str, torch.Tensor], *, dense_mask: bool, causal: bool, dtype: torch.dtype
+                ) -> dict[str, torch.Tensor]:
+    """The model's inputs for a step's packed rows (``batch``: input_ids, position_ids, segment_ids on the device):
+    the tokens and their positions, and with ``dense_mask`` the documents' mask (:func:`documents_mask`)."""
+    given = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    if dense_mask:
+        given["attention_mask"] = documents_mask(batch["segment_ids"], causal=causal, dtype=dtype)
+    return given
 
 
 def documents_mask(segment_ids: torch.Tensor, *, causal: bool, dtype: torch.dtype) -> torch.Tensor:

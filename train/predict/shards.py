@@ -5,9 +5,9 @@
     ...
     <output>                             once every shard exists: the shards one after the other
 
-A shard is written to a temporary file, fsync'ed and renamed into place (durable.py), so it is whole or
-absent: after Ctrl-C, SIGTERM or kill -9 the same command predicts the shards that are absent, and the
-output holds every document once, in input order. Assembling the output is atomic too, and takes the
+A shard is written to a temporary file, fsync'ed and renamed into place (train/checkpoint/durable.py), so it
+is whole or absent: after Ctrl-C, SIGTERM or kill -9 the same command predicts the shards that are absent, and
+the output holds every document once, in input order. Assembling the output is atomic too, and takes the
 shards away afterwards (the manifest stays: it tells a complete output from another run's file).
 The processes of a pod slice share the folder: each holds a lock file of its own while it runs, and
 whichever writes the last shard assembles the output.
@@ -19,9 +19,9 @@ import json
 import os
 import tempfile
 
-from .. import durable
+from ..checkpoint import durable
+from ..checkpoint.lock import LockedError, RunLock
 from ..config import ConfigError
-from ..lock import LockedError, RunLock
 from . import manifest
 
 FORMATS = (".jsonl", ".parquet")

@@ -1,9 +1,18 @@
 """Sequence classification: one label per document, a new head on a pretrained model, accuracy and
-macro-F1 on the held-out split."""
+macro-F1 on the held-out split; python -m train predict gives each document a label and its probabilities.
+
+A classification head reads one token of its sequence: BERT's pooler the first ([CLS]), a decoder's
+score the last. In a packed row there are many documents, so predict's head runs on every token as if that
+token were a whole one-token sequence (the base model's output replaced by it for the head's call), and
+each document keeps the logits at its own first or last token: one graph shape whatever the documents,
+and the head is the model's own code (pooler, dropout, classifier), not a copy of it. Which token the
+head reads is asked of the head once (:meth:`Head.prepare`).
+"""
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import datasets
@@ -11,10 +20,12 @@ import numpy as np
 import torch
 import transformers
 
-from .. import batches as batches_module
-from .. import data, splits
+from ..data import batches as batches_module
+from ..data import sources, splits
+from ..data.packing import IGNORE_INDEX
 from ..errors import DataError, ModelError, check_max_length
-from ..packing import IGNORE_INDEX
+from ..models import model_outputs
+from . import PredictHead, architectures
 
 LABELED = True
 # Not for --balance-context: an encoder attends both ways (every device has the same work), and a decoder's
@@ -28,7 +39,7 @@ EVAL_BEFORE_TRAINING = False
 
 def targets(split: datasets.Dataset, label_column: str, dataset: str) -> list:
     """Each document's label (a ClassLabel column's integers as its names); DataError for a missing one."""
-    labels = data.column(split, label_column, "--label-column", dataset)
+    labels = sources.column(split, label_column, "--label-column", dataset)
     feature = split.features[label_column]
     if isinstance(feature, datasets.ClassLabel):
         labels = [feature.names[v] for v in labels]
@@ -128,7 +139,7 @@ def label_names(documents: datasets.DatasetDict) -> list[str]:
 
 
 class Rows:
-    """Tokenized documents (columns "input_ids", "label") as batches (train/batches.py): input_ids (B, L)
+    """Tokenized documents (columns "input_ids", "label") as batches (train/data/batches.py): input_ids (B, L)
     int64, attention_mask (B, L) int64, labels (B,) int64, with L the smallest bucket that holds the global
     batch's longest row; padding rows (pad_id tokens, attention_mask all zero, labels -100) fill a short
     last batch."""
@@ -171,6 +182,11 @@ def batches(dataset: datasets.Dataset, *, buckets: tuple[int, ...], pad_id: int,
         raise ValueError(f"balance: expected None for classification rows (only LM rows are reordered), "
                          f"got {balance!r}")
     return batches_module.BatchLoader(Rows(dataset, buckets=buckets, pad_id=pad_id), **loader)
+
+
+def tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The tokens of a batch: those its attention mask keeps (the rest is padding)."""
+    return int(batch["attention_mask"].sum())
 
 
 # --- model head ------------------------------------------------------------------------------------
@@ -251,3 +267,97 @@ def plot_eval(axis, evals: list[dict]) -> None:
                label="held-out accuracy")
     other.set_ylabel("held-out accuracy")
     other.legend(loc="upper right")
+
+
+# --- python -m train predict ---------------------------------------------------------------------
+
+FIRST, LAST = "first", "last"
+
+
+class Head(PredictHead):
+    """A document's label and its probabilities, from the model's own sequence-classification head."""
+
+    MODEL_CLASS = transformers.AutoModelForSequenceClassification
+
+    def __init__(self, config: transformers.PretrainedConfig):
+        self.labels = [config.id2label[i] for i in range(config.num_labels)]
+        self.read = FIRST  # which token of a sequence the head reads: prepare() asks the head
+
+    @staticmethod
+    def has_head(config) -> bool:
+        return any(name.endswith("ForSequenceClassification") for name in config.architectures or ())
+
+    @classmethod
+    def check(cls, config, model: str) -> None:
+        if not cls.has_head(config):
+            raise ModelError(f"--task classification: {model!r} has no sequence-classification head (saved "
+                             f"architectures: {architectures(config)}); fine-tune one with python -m train, or "
+                             "use --task embed")
+
+    def prepare(self, model: torch.nn.Module) -> None:
+        """Finds the token the head reads (on the CPU, before the model moves): its output on two random
+        hidden states equals its output on one of them alone. ModelError for a head that pools otherwise
+        (a mean over tokens): documents in a packed row could not be told apart for it."""
+        width = model.config.get_text_config().hidden_size
+        hidden = torch.randn(1, 2, width, generator=torch.Generator().manual_seed(0))  # (1, 2, H)
+        with torch.no_grad():
+            both = self._head(model, hidden)
+            alone = [self._head(model, hidden[:, i:i + 1]) for i in (0, 1)]
+        matches = [torch.allclose(both, one, rtol=1e-5, atol=1e-6) for one in alone]
+        if matches == [True, False]:
+            self.read = FIRST
+        elif matches == [False, True]:
+            self.read = LAST
+        else:
+            raise ModelError(f"--model: the classification head of {type(model).__name__} reads neither the first "
+                             "nor the last token of a sequence alone, so packed documents cannot be classified "
+                             "apart; not supported")
+
+    def outputs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits (rows, length, labels) float32: at every token, the head's logits for it as a whole sequence."""
+        base = getattr(model, model.base_model_prefix)
+        hidden = model_outputs(base, inputs).last_hidden_state  # (rows, length, H)
+        rows, length, width = hidden.shape
+        logits = self._head(model, hidden.reshape(rows * length, 1, width))  # (rows * length, labels)
+        return logits.reshape(rows, length, -1).float()
+
+    def window(self, outputs: np.ndarray, offset: int, window) -> np.ndarray:
+        """The logits at the token the head reads of ``window``, at ``offset`` of a row's ``outputs``."""
+        return outputs[offset if self.read == FIRST else offset + len(window.tokens) - 1]
+
+    def fields(self, windows: list[np.ndarray]) -> dict:
+        """The label and probabilities: a softmax of the windows' mean logits (in float64)."""
+        if not windows:
+            return {"label": None, "probabilities": None}
+        logits = np.mean(np.asarray(windows, dtype=np.float64), axis=0)
+        probabilities = np.exp(logits - logits.max())
+        probabilities /= probabilities.sum()
+        return {"label": self.labels[int(np.argmax(logits))],
+                "probabilities": dict(zip(self.labels, map(float, probabilities)))}
+
+    @staticmethod
+    def _head(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's classification logits (sequences, labels) for sequences whose last hidden states
+        are ``hidden`` (sequences, length, H): its own forward, with the base model answering ``hidden``."""
+        base = getattr(model, model.base_model_prefix)
+        pooler = getattr(base, "pooler", None)  # BERT pools inside the base model
+
+        def answer(*args, **kwargs):
+            # An output with the fields either kind of head reads: BERT's pooler_output, a decoder's cache.
+            return transformers.modeling_outputs.BaseModelOutputWithPoolingAndCrossAttentions(
+                last_hidden_state=hidden, pooler_output=None if pooler is None else pooler(hidden))
+
+        # Token ids only tell a decoder's head where its sequence ends: any id but the pad id.
+        pad = model.config.get_text_config().pad_token_id
+        ids = torch.full(hidden.shape[:2], 1 if pad == 0 else 0, dtype=torch.long, device=hidden.device)
+        with _forward_replaced(base, answer):
+            return model(input_ids=ids).logits
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: torch.nn.Module, forward):
+    module.forward = forward  # an instance attribute: nn.Module.__call__ finds it first
+    try:
+        yield
+    finally:
+        del module.forward

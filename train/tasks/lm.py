@@ -1,5 +1,12 @@
-"""Causal language modelling: documents packed into full rows (train/packing.py), the model's own LM
-head and loss, perplexity on the held-out split before and after training."""
+"""Causal language modelling: documents packed into full rows (train/data/packing.py), the model's own LM
+head and loss, perplexity on the held-out split before and after training.
+
+python -m train predict gives each document its log-likelihood: the sum, over its tokens after the first, of
+the natural log of the probability the model gives each token after the tokens before it; the first token
+has no context and is not scored. Perplexity is exp(-log-likelihood / scored tokens). With --long chunk, each
+window scores only the tokens no earlier window scored, with the window's tokens before them as context
+(train/predict/windows.py), and the document's log-likelihood is their sum.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +17,19 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from torchattn import balanced_order
 
-from .. import batches as batches_module
-from .. import context_order, splits
+from ..data import batches as batches_module
+from ..data import context_order, splits
+from ..data.packing import IGNORE_INDEX, pack_documents
 from ..errors import DataError, ModelError, check_max_length
-from ..packing import IGNORE_INDEX, pack_documents
+from ..models import model_outputs
+from . import PredictHead, architectures, labeled
 
 LABELED = False
-CAUSAL = True  # --balance-context may reorder its tokens (train/context_order.py)
+CAUSAL = True  # --balance-context may reorder its tokens (train/data/context_order.py)
 MODEL_CLASS = transformers.AutoModelForCausalLM
 EVAL_BEFORE_TRAINING = True  # perplexity before training, to compare with after
 
@@ -52,7 +62,7 @@ def eval_subset(dataset: datasets.Dataset, rows: int | None, seed: int) -> datas
 
 def tokenize(splits: datasets.DatasetDict, tokenizer, max_length: int) -> datasets.DatasetDict:
     """Documents tokenized (without special tokens, an EOS token after each document) and packed into
-    full rows of exactly max_length (train/packing.py). Columns "input_ids", "position_ids" (restart
+    full rows of exactly max_length (train/data/packing.py). Columns "input_ids", "position_ids" (restart
     at 0 at each document start and each row start, so patches derives segment ids: no attention
     across documents), "labels" (= input_ids, -100 at each document's first token, so no token is
     trained to predict across a document boundary, and on the padding that fills the last row)."""
@@ -79,10 +89,10 @@ def label_names(documents: datasets.DatasetDict) -> None:
 
 
 class Rows:
-    """Packed rows (columns "input_ids", "position_ids", "labels", one length) as batches (train/batches.py):
+    """Packed rows (columns "input_ids", "position_ids", "labels", one length) as batches (train/data/batches.py):
     each (B, L) int64, L the row length; padding rows (pad_id tokens, labels -100) fill a short last batch.
     With ``balance`` (--balance-context: the context axis' device count) they come in the dual-chunk token
-    order with their labels shifted first (train/context_order.py): input_ids, position_ids, shift_labels."""
+    order with their labels shifted first (train/data/context_order.py): input_ids, position_ids, shift_labels."""
 
     def __init__(self, dataset: datasets.Dataset, *, pad_id: int, balance: int | None = None):
         columns = set(dataset.column_names)
@@ -130,12 +140,17 @@ def batches(dataset: datasets.Dataset, *, buckets: tuple[int, ...], pad_id: int,
     return batches_module.BatchLoader(Rows(dataset, pad_id=pad_id, balance=balance), **loader)
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword arguments: a batch reordered by --balance-context (train/data/context_order.py) has its
+    labels shifted already, as shift_labels; transformers computes a loss only when labels are given, and its
+    causal-LM loss then scores shift_labels as they are, without shifting."""
+    return {**batch, "labels": batch["shift_labels"]} if "shift_labels" in batch else batch
+
+
 # --- model head ------------------------------------------------------------------------------------
 
 def check_head(num_labels, label_names: list[str] | None) -> None:
     if label_names is not None:
-        from . import labeled
-
         raise ModelError(f"label_names: only --task {' or '.join(labeled())} has labels, got {len(label_names)} "
                          f"names with --task lm")
 
@@ -167,7 +182,7 @@ class Evaluation:
 
     def add(self, outputs, inputs: dict[str, torch.Tensor]) -> None:
         # HF's causal LM loss: mean over the tokens whose shifted label is not -100 (shifted already in a
-        # batch reordered by --balance-context: train/context_order.py).
+        # batch reordered by --balance-context: train/data/context_order.py).
         shifted = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
         counted = (shifted != IGNORE_INDEX).sum()
         self._losses.append(outputs.loss * counted)
@@ -198,3 +213,46 @@ def plot_eval(axis, evals: list[dict]) -> None:
     """Held-out loss (log perplexity) at each evaluation, on the loss plot's own axis (metrics.plot_loss)."""
     axis.plot([r["step"] for r in evals], [math.log(r["perplexity"]) for r in evals], "o--",
               color="tab:orange", label="held-out loss (log perplexity)")
+
+
+# --- python -m train predict ---------------------------------------------------------------------
+
+class Head(PredictHead):
+    """A document's log-likelihood, scored tokens and perplexity, from the model's own LM head."""
+
+    MODEL_CLASS = transformers.AutoModelForCausalLM
+    SPECIALS_PER_WINDOW = False  # windows are stretches of one token sequence: later ones continue it
+
+    @staticmethod
+    def has_head(config) -> bool:
+        """Saved as a causal LM; or, when no architecture is saved (a .gguf file's config), of a decoder-only type:
+        one transformers builds as a causal LM and not as a masked LM (BERT is both)."""
+        if config.architectures:
+            return any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in config.architectures)
+        return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and \
+            config.model_type not in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    @classmethod
+    def check(cls, config, model: str) -> None:
+        if not cls.has_head(config):
+            raise ModelError(f"--task lm: {model!r} has no causal language-model head (saved architectures: "
+                             f"{architectures(config)}); use --task embed")
+
+    def outputs(self, model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """(rows, length) float32: at token t, log p(token t | the tokens before it in its row); 0 at t = 0. At a
+        document's first token it is conditioned on the document before it, and never read."""
+        logits = model_outputs(model, inputs).logits[:, :-1].float()  # (rows, length - 1, vocab)
+        following = inputs["input_ids"][:, 1:, None]                  # (rows, length - 1, 1)
+        chosen = logits.gather(-1, following)[..., 0] - torch.logsumexp(logits, dim=-1)  # (rows, length - 1)
+        return torch.nn.functional.pad(chosen, (1, 0))               # (rows, length)
+
+    def window(self, outputs: np.ndarray, offset: int, window) -> tuple[float, int]:
+        """(the log-likelihood of the tokens ``window`` scores, how many), at ``offset`` of a row's ``outputs``."""
+        scored = outputs[offset + window.scored_from:offset + len(window.tokens)]
+        return float(np.sum(scored, dtype=np.float64)), len(scored)
+
+    def fields(self, windows: list[tuple[float, int]]) -> dict:
+        log_likelihood = sum(value for value, _ in windows)
+        scored = sum(count for _, count in windows)
+        return {"log_likelihood": log_likelihood, "scored_tokens": scored,
+                "perplexity": math.exp(-log_likelihood / scored) if scored else None}

@@ -3,8 +3,8 @@ when each process holds whole tensors (no --mesh).
 
 The file is torch.save's zip archive with a comment: the SHA-256 of the archive as torch.save wrote it
 (whose end-of-central-directory record says "no comment"); ``unzip -z`` shows it, torch.load ignores it.
-The same interface as train/sharded_checkpoint.py (SUFFIX, save, verify, load, READ_ERRORS), behind
-train/checkpoint.py's Checkpointer.
+The same interface as sharded_format.py (SUFFIX, save, verify, load, READ_ERRORS), behind the
+Checkpointer (train/checkpoint/__init__.py).
 """
 
 from __future__ import annotations

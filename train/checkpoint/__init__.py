@@ -1,16 +1,18 @@
-"""Atomic checkpoints of the trainer's state, the RNG states they hold, and finding the latest one.
+"""The run's state on disk: atomic checkpoints of the trainer's state, the RNG states they hold, and finding
+the latest one (here); their two formats (file_format.py, sharded_format.py); every durable write of the run's
+files (durable.py); one run per output folder (lock.py).
 
 A checkpoint is written under a temporary name and renamed into place (``os.replace`` is
 atomic on POSIX), so a preemption while writing leaves the previous checkpoint intact and
 never half of a new one: ``latest()`` only sees renamed ones. What goes in it is the
 trainer's ``state_dict()`` (model, optimizer, scheduler, data position) plus the RNG states
 of Python, NumPy, torch's CPU generator (patches draws torchattn's dropout seeds from it)
-and the XLA device. Two formats, one interface (:func:`format_of`):
+and the device. Two formats, one interface (:func:`format_of`):
 
 - ``<output_dir>/checkpoints/step-<step>.pt``, one file written by the main process, when
-  each process holds whole tensors (no ``--mesh``; train/file_checkpoint.py).
+  each process holds whole tensors (no ``--mesh``; file_format.py).
 - ``<output_dir>/checkpoints/step-<step>/``, a folder, when tensors are sharded over a
-  torch_xla SPMD mesh (train/sharded_checkpoint.py).
+  mesh (sharded_format.py).
 
 Every checkpoint carries a SHA-256 digest and is verified before it loads: the file's digest is
 its zip comment (``unzip -z`` shows it; torch.load ignores it), the folder's is a SHA256SUMS file
@@ -32,7 +34,8 @@ import types
 import numpy as np
 import torch
 
-from . import durable, file_checkpoint, sharded_checkpoint
+from .. import runtime
+from . import durable, file_format, sharded_format
 
 DIRECTORY = "checkpoints"
 _NAME = re.compile(r"^step-(\d+)(\.pt)?$")  # a file, or a sharded checkpoint's folder
@@ -45,26 +48,22 @@ class Damaged(Exception):
 
 def rng_state(device) -> dict:
     """Every random generator a training step draws from."""
-    import torch_xla.core.xla_model as xm
-
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state(),
-            "xla": xm.get_rng_state(device)}
+            "xla": runtime.rng_state(device)}
 
 
 def set_rng_state(state: dict, device) -> None:
-    import torch_xla.core.xla_model as xm
-
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch_cpu"])
-    xm.set_rng_state(state["xla"], device)
+    runtime.set_rng_state(state["xla"], device)
 
 
 class Checkpointer:
     """Saves every ``every`` steps (and when asked), keeps the newest ``keep``, finds the latest.
 
     ``writer``: this process writes files (one process of a multi-process run; the coordinator
-    of a sharded one). ``sharded``: the tensors are sharded over a torch_xla SPMD mesh; every
+    of a sharded one). ``sharded``: the tensors are sharded over a mesh; every
     process then takes part in each save and load (see the module docstring).
     """
 
@@ -74,7 +73,7 @@ class Checkpointer:
         self.keep = keep
         self.writer = writer
         self.sharded = sharded
-        self.format = sharded_checkpoint if sharded else file_checkpoint  # the one this checkpointer writes
+        self.format = sharded_format if sharded else file_format  # the one this checkpointer writes
 
     def due(self, step: int) -> bool:
         """Whether the loop's ``step`` is a regular checkpoint step."""
@@ -170,7 +169,7 @@ class Checkpointer:
 
         A sharded checkpoint (a folder) is read in place into ``template()``: the run's own
         state_dict(), tensors on the device with their shardings and the optimizer's state
-        already created (torch_xla's prime_optimizer), so each process reads only what it holds.
+        already created (runtime.prime_optimizer), so each process reads only what it holds.
         """
         form = format_of(path)
         if form.NEEDS_TEMPLATE and template is None:
@@ -188,10 +187,10 @@ class Checkpointer:
 
 
 def format_of(path: str) -> types.ModuleType:
-    """The format of the checkpoint at ``path``: a folder is sharded (train/sharded_checkpoint.py), a
-    file is one file (train/file_checkpoint.py). Both have SUFFIX, NEEDS_TEMPLATE, READ_ERRORS and
-    save(state, path, writer=), verify(path) -> problem or None, load(path, template)."""
-    return sharded_checkpoint if os.path.isdir(path) else file_checkpoint
+    """The format of the checkpoint at ``path``: a folder is sharded (sharded_format.py), a file is one file
+    (file_format.py). Both have SUFFIX, NEEDS_TEMPLATE, READ_ERRORS and save(state, path, writer=),
+    verify(path) -> problem or None, load(path, template)."""
+    return sharded_format if os.path.isdir(path) else file_format
 
 
 def verify(path: str) -> None:

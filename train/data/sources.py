@@ -3,8 +3,9 @@
     source = open_source("bbc-news")              # {split name: datasets.Dataset}, the source's own columns
     texts, kept = texts_of(source["train"], "text", "bbc-news")
 
-Which documents train and which are held out, and how they become batches, is the task's
-(train/tasks/, with the shared parts in train/splits.py and train/batches.py).
+Which documents train and which are held out, and how they become batches, is the task's (train/tasks/;
+train/build.py's load_splits splits a run's documents by its rule, with the shared parts in splits.py and
+batches.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import warnings
 
 import datasets
 
-from .config import first_few, first_line
-from .errors import DataError
+from ..config import first_few, first_line
+from ..errors import DataError
 
 BUILTIN_DATASETS = ("bbc-news", "sotu")
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -147,8 +148,8 @@ def _innermost(error: BaseException) -> BaseException:
 
 
 def open_source(dataset: str, flag: str = "--dataset") -> dict[str, datasets.Dataset]:
-    """{split name: Dataset} of ``dataset`` (``--dataset``: see splits.load_splits), the source's own columns;
-    errors name ``flag`` (``python -m train predict`` reads its --input here)."""
+    """{split name: Dataset} of ``dataset`` (``--dataset``: see train/build.py's load_splits), the source's own
+    columns; errors name ``flag`` (``python -m train predict`` reads its --input here)."""
     if dataset == "bbc-news":
         return _bbc_news()
     if dataset == "sotu":

@@ -202,7 +202,7 @@ def _first_line(error: Exception) -> str:
 
 def write(rows: list[dict], generation: str, out_dir: str) -> tuple[str, str]:
     """schedule-<generation>.csv and .png in ``out_dir``, each whole or not at all."""
-    from train import durable
+    from train.checkpoint import durable
 
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=FIELDS, lineterminator="\n")

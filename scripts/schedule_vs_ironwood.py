@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "schedule-vs-ironwood.csv"))
     args = parser.parse_args(argv)
     from torchattn.aot import schedule
-    from train import durable
+    from train.checkpoint import durable
 
     schedule.enable_dump()
     rows = []

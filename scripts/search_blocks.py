@@ -244,7 +244,7 @@ def summary(generation: str, rows: list[dict]) -> str:
 
 def write_csv(path: str, rows: list[dict]) -> None:
     """The CSV, whole or not at all."""
-    from train import durable
+    from train.checkpoint import durable
 
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=FIELDS, lineterminator="\n")

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from torchattn import context, once, sharding
+from torchattn import context, device_mesh, once, sharding
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,
@@ -100,16 +100,28 @@ def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
         # Tokens in the dual-chunk order follow each other only in the natural order: the
         # rule runs there and its ids go back to the tokens' places.
         pos = position_ids.expand(batch, q_len)
+        active = sharding.innermost()
+        if active is not None and device_mesh.sequence_ways(active) > 1:
+            # One process's part of each row (torchattn over a DeviceMesh): the documents are numbered over the
+            # whole row, so a document crossing processes has one id on each, then each takes its part.
+            ids = _document_ids(device_mesh.global_rows(active, pos, dim=1))
+            ids = device_mesh.own_rows(active, ids, dim=1)
+            return MaskArguments(segment_ids=ids, kv_segment_ids=ids)
         order = _balanced_order(q_len)
         if order is not None:
             pos = pos.index_select(1, torch.argsort(order).to(pos.device))
-        # cumsum with its dtype given: torch_xla 2.9 keeps a bool input's dtype, and the count wraps past 255
-        # (the 256th document of a row would join the first; checked, torch gives int64).
-        ids = (torch.diff(pos, dim=-1, prepend=pos[:, :1] - 1) != 1).cumsum(-1, dtype=torch.int32)
+        ids = _document_ids(pos)
         if order is not None:
             ids = ids.index_select(1, order.to(pos.device))
         return MaskArguments(segment_ids=ids, kv_segment_ids=ids)
     return MaskArguments()
+
+
+def _document_ids(positions: torch.Tensor) -> torch.Tensor:
+    """int32 ids of the documents of (batch, length) positions in the natural order: a new one wherever the position
+    does not continue by one. cumsum with its dtype given: torch_xla 2.9 keeps a bool input's dtype, and the count
+    wraps past 255 (the 256th document of a row would join the first; checked, torch gives int64)."""
+    return (torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1).cumsum(-1, dtype=torch.int32)
 
 
 def _balanced_order(length: int) -> torch.Tensor | None:

@@ -1,7 +1,8 @@
-"""python -m train, its predict and --compile-only in an environment without torch_xla (.venv-current, TorchTPU's stack,
-docs/versions.md): one line naming the environment to use, exit status 2, nothing written (issue 43). Not marked
-``xla``: in .venv-current torch_xla is really missing; in .venv the test hides it (None in sys.modules, so every
-``import torch_xla`` fails as it does where it is not installed)."""
+"""python -m train and its predict on torch_xla's runtime (--runtime torch_xla, --compile-only) in an environment
+without torch_xla (.venv-current, TorchTPU's stack, docs/versions.md): one line naming the environment to use, exit
+status 2, nothing written (issue 43; without --runtime both run on the torch runtime there:
+tests/test_train_torch_runtime.py). Not marked ``xla``: in .venv-current torch_xla is really missing; in .venv the
+test hides it (None in sys.modules, so every ``import torch_xla`` fails as it does where it is not installed)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from train.__main__ import main
 
-USE_VENV = "run it in .venv (built by `bash scripts/env.sh`)"
+USE_VENV = "in .venv (built by `bash scripts/env.sh`)"
 
 
 @pytest.fixture
@@ -21,9 +22,10 @@ def without_torch_xla(monkeypatch):
 
 def _commands(tmp_path, bert, llama, docs_csv) -> dict[str, list[str]]:
     return {
-        "predict": ["predict", "--model", bert, "--input", docs_csv, "--output", str(tmp_path / "out.jsonl")],
+        "predict": ["predict", "--model", bert, "--input", docs_csv, "--output", str(tmp_path / "out.jsonl"),
+                    "--runtime", "torch_xla"],
         "predict --compile-only": ["predict", "--model", bert, "--compile-only", "v5e"],
-        "train": ["--model", bert, "--max-steps", "1", "--output-dir", str(tmp_path / "run")],
+        "train": ["--model", bert, "--max-steps", "1", "--output-dir", str(tmp_path / "run"), "--runtime", "torch_xla"],
         "--compile-only": ["--model", llama, "--task", "lm", "--compile-only", "v5e", "--compile-lengths", "128",
                            "--compile-report", str(tmp_path / "hbm.csv"), "--output-dir", str(tmp_path / "run")],
     }

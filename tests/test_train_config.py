@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from train.config import (FIELDS, FLAGS, GROUPS, RECIPES, ConfigError, RunConfig, build_parser, mesh_axes, parse_args,
-                          resume_changes, save_config, saved_config)
+from train.config import (FIELDS, FLAGS, GROUPS, RECIPES, ConfigError, RunConfig, build_parser, installed_runtime,
+                          mesh_axes, parse_args, resume_changes, save_config, saved_config)
 
 # Every flag issue 7 names, spelled as it does.
 ISSUE_FLAGS = ["--recipe", "--model", "--dataset", "--text-column", "--label-column", "--task", "--max-length",
@@ -172,8 +172,11 @@ def test_resume_reads_a_flat_config_json_into_the_groups_and_writes_it_back_the_
             config.checkpoint.keep_checkpoints, config.model.grad_checkpointing) == ("m", "body", "cosine", 5, 1, True)
     save_config(config, str(tmp_path / "again.json"))
     assert (tmp_path / "again.json").read_text() == OLD_CONFIG_JSON.replace("OUT", str(tmp_path)).replace(
-        '"resume": false', '"resume": true').replace('"mesh": null,', '"mesh": null,\n  "balance_context": false,'), \
-        "a key added since (--balance-context) is written with its default"
+        '"resume": false', '"resume": true').replace(
+        '"mesh": null,', '"mesh": null,\n  "balance_context": false,').replace(
+        '"grad_checkpointing": true,', '"grad_checkpointing": true,\n  "compile": false,').replace(
+        '"mesh": null,', f'"runtime": "{installed_runtime()}",\n  "mesh": null,'), \
+        "keys added since (--compile, --runtime, --balance-context) are written with their defaults, auto decided"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -60,8 +60,8 @@ class _Counted(classification.Evaluation):
         super().add(outputs, inputs)
         self.rows += int((inputs["labels"] != -100).sum())
 
-    def result(self):
-        return {**super().result(), "rows": self.rows}
+    def result(self, gather):
+        return {**super().result(gather), "rows": self.rows}
 
 
 def test_a_third_task_is_one_module(bert, docs_csv, tmp_path, monkeypatch):

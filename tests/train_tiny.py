@@ -105,12 +105,22 @@ def run_python(code: str, timeout: float = 300) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def run_train(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def run_train(args: list[str], timeout: float = 600, processes: int | None = None) -> subprocess.CompletedProcess:
     """``python -m train <args>`` in a fresh interpreter on XLA:CPU from the repository root, as a user runs it:
-    the real recipes load real models, whose graphs stay out of the test worker's process."""
+    the real recipes load real models, whose graphs stay out of the test worker's process. ``processes``: that
+    many under torchrun (the torch runtime's CPU processes)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "train", *args], cwd=root, env=dict(os.environ, PJRT_DEVICE="CPU"),
+    return subprocess.run([*train_command(processes), *args], cwd=root, env=dict(os.environ, PJRT_DEVICE="CPU"),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def train_command(processes: int | None = None) -> list[str]:
+    """``python -m train``, or with ``processes`` torchrun's of that many (on a free port: tests run side by
+    side)."""
+    if processes is None:
+        return [sys.executable, "-m", "train"]
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", "--nproc-per-node", str(processes), "-m", "train"]
 
 
 def read_until(process: subprocess.Popen, prefix: str, timeout: float) -> list[str]:
@@ -133,12 +143,12 @@ def read_until(process: subprocess.Popen, prefix: str, timeout: float) -> list[s
 
 
 def signalled_run(args: list[str], cues: list[tuple[str, int]], *, env: dict | None = None,
-                  timeout: float = 600) -> tuple[int, str]:
-    """``python -m train <args>`` on XLA:CPU from the repository root; each (line prefix, signal) of
-    ``cues`` is sent, in order, when the run prints a line starting with its prefix (each within
+                  timeout: float = 600, processes: int | None = None) -> tuple[int, str]:
+    """``python -m train <args>`` on XLA:CPU from the repository root (``processes``: under torchrun); each (line
+    prefix, signal) of ``cues`` is sent, in order, when the run prints a line starting with its prefix (each within
     ``timeout``). Returns the exit status and everything the run printed (stdout and stderr)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    process = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=root,
+    process = subprocess.Popen([*train_command(processes), *args], cwd=root,
                                env=env or dict(os.environ, PJRT_DEVICE="CPU"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     lines = []

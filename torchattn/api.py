@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from . import backends, devices, features, sharding, tune_cache
+from . import backends, device_mesh, devices, features, sharding, tune_cache
 from .block_sizes import BlockSizes
 from .request import Options, Request, Tensors
 from .types import type_name
@@ -158,7 +158,7 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
     if unknown:
         raise _Unexpected(f"unexpected arguments {unknown}; expected any of "
                           f"{[*features.arguments(), 'block_sizes']}")
-    values = features.validate(q, k, given)
+    values = features.validate(q, k, given, keys=kv_len * device_mesh.sequence_ways(sharding.innermost()))
 
     def of(kind):
         return {field.name: values[field.name] for field in features.fields(kind)}
@@ -170,6 +170,8 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
     request = Request(inputs=Tensors(q=q, k=k, v=v, **of(features.Kind.TENSOR)), options=options,
                       **of(features.Kind.REQUEST))
     request = dataclasses.replace(request, sharding=sharding.resolve(request))
+    if device_mesh.wide_ids_relabelled(request, given):  # relabelled by this process alone: number them over all
+        request = device_mesh.with_global_ids(request, given)
     if block_sizes is None:  # what torchattn.tune cached for this call replaces the default
         tuned = tune_cache.lookup(request)
         if tuned is not None:

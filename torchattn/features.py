@@ -91,10 +91,12 @@ class Feature:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """What a feature's check reads besides its own arguments: q and k, validated."""
+    """What a feature's check reads besides its own arguments: q and k, validated, and how many keys a query sees:
+    k's, or over a DeviceMesh with sequence axes every process's (torchattn/device_mesh.py)."""
 
     q: torch.Tensor
     k: torch.Tensor
+    keys: int
 
 
 # ---------------------------------------------------------------------------
@@ -178,8 +180,8 @@ def pair_tensor_check(name: str):
     def check(call: Call, t):
         if t is None:
             return (None,)
-        q, k = call.q, call.k
-        full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        q = call.q
+        full = (q.shape[0], q.shape[1], q.shape[2], call.keys)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: expected a float torch.Tensor, got {type_name(t)}")
         if not t.dtype.is_floating_point:
@@ -276,11 +278,12 @@ def pair_inputs() -> list[str]:
     return [field.name for field in fields(Kind.TENSOR) if field.role == PAIRS]
 
 
-def validate(q: torch.Tensor, k: torch.Tensor, given: dict) -> dict:
+def validate(q: torch.Tensor, k: torch.Tensor, given: dict, keys: int | None = None) -> dict:
     """{field name: validated value} of every feature, from flash_attention's keyword arguments ``given``
-    (features' arguments only; any missing take the declared default), checked in declaration order."""
+    (features' arguments only; any missing take the declared default), checked in declaration order. ``keys``: the
+    keys a query sees (None: k's)."""
     values: dict = {}
-    call = Call(q, k)
+    call = Call(q, k, k.shape[2] if keys is None else keys)
     for feature in FEATURES:
         checked = feature.check(call, *(given.get(name, default) for name, default in feature.arguments))
         values.update(zip((field.name for field in feature.fields), checked))

@@ -124,6 +124,19 @@ def compile_stablehlo(text: str, devices: tuple):
 
 
 # ---------------------------------------------------------------------------
+# torch.distributed: a gather with autograd (torchattn over a DeviceMesh, torchattn/device_mesh.py).
+
+
+def all_gather_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """``t`` of every process of ``group`` concatenated along ``dim``, differentiable: the gradient that comes back
+    is the result's reduce-scattered (each process's part summed over the processes). The public
+    torch.distributed.nn.functional.all_gather is deprecated for this one (torch 2.15's own warning names it)."""
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+    return all_gather_tensor_autograd(t.contiguous(), gather_dim=dim, group=group)
+
+
+# ---------------------------------------------------------------------------
 # Tracing: torch.compile (dynamo), aot_autograd, export.
 
 

@@ -30,7 +30,7 @@ import re
 
 import torch
 
-from . import context, internals, once
+from . import context, device_mesh, internals, once
 from .request import Request
 
 # The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
@@ -67,6 +67,8 @@ class Sharding:
 
 def ways(mesh, axes: tuple[str, ...]) -> int:
     """How many shards the mesh axes ``axes`` cut a dimension into."""
+    if device_mesh.is_device_mesh(mesh):
+        return device_mesh.ways(mesh, axes)
     # A list, not a generator: torch.compile traces no generator into math.prod.
     return math.prod([mesh.mesh_shape[mesh.get_axis_name_idx(axis)] for axis in axes])
 
@@ -89,21 +91,30 @@ def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, 
         mesh = xs.Mesh(np.arange(8), (2, 1, 4), ("data", "model", "context"))
         with torchattn.sharded(mesh, batch="data", heads="model", sequence="context", balanced=True):
             train()
-    """
-    import torch_xla.distributed.spmd as xs
-    import torch_xla.runtime as xr
 
-    if not isinstance(mesh, xs.Mesh):
-        raise TypeError(f"mesh: expected a torch_xla.distributed.spmd.Mesh, got {type(mesh).__name__}")
-    if not xr.is_spmd():
-        raise ValueError("mesh: torchattn.sharded needs SPMD; call torch_xla.runtime.use_spmd() "
-                         "before any XLA tensor is created")
+    ``mesh`` may also be a torch ``DeviceMesh`` (torch.distributed, one process per device: TorchTPU, CPU
+    processes): every tensor is then the process's own part already, batch and heads state where that part
+    lies (for dropout), and with ``sequence`` each call gathers the key side along it (torchattn/device_mesh.py).
+    """
+    if device_mesh.is_device_mesh(mesh):
+        names = tuple(mesh.mesh_dim_names or ())
+    else:
+        import torch_xla.distributed.spmd as xs
+        import torch_xla.runtime as xr
+
+        if not isinstance(mesh, xs.Mesh):
+            raise TypeError(f"mesh: expected a torch_xla.distributed.spmd.Mesh or a torch DeviceMesh, got "
+                            f"{type(mesh).__name__}")
+        if not xr.is_spmd():
+            raise ValueError("mesh: torchattn.sharded needs SPMD; call torch_xla.runtime.use_spmd() "
+                             "before any XLA tensor is created")
+        names = tuple(mesh.axis_names)
     axes = {name: _axis_names(name, value)
             for name, value in (("batch", batch), ("heads", heads), ("sequence", sequence))}
-    for name, names in axes.items():
-        for axis in names:
-            if axis not in mesh.axis_names:
-                raise ValueError(f"{name}: expected axis names of the mesh {tuple(mesh.axis_names)}, got {axis!r}")
+    for name, given in axes.items():
+        for axis in given:
+            if axis not in names:
+                raise ValueError(f"{name}: expected axis names of the mesh {names}, got {axis!r}")
     every = [axis for names in axes.values() for axis in names]
     if len(set(every)) < len(every):
         raise ValueError("batch, heads, sequence: each mesh axis may shard one dimension once, got "
@@ -141,8 +152,9 @@ def resolve(request: Request) -> Sharding | str | None:
     (not SPMD). ValueError for a sharding q or a :func:`sharded` context states that torchattn
     cannot run per device (head_dim sharded, sizes not divisible); a global mesh that does not
     fit is only warned about (it was not stated for attention)."""
-    if request.device.type != "xla":
-        return None
+    if request.device.type != "xla":  # tensors of one process each: a DeviceMesh context says where they lie
+        found = innermost()
+        return found if found is not None and device_mesh.is_device_mesh(found.mesh) else None
     import torch_xla.runtime as xr
 
     if not xr.is_spmd():

@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from . import context, internals, once
+from . import context, device_mesh, internals, once
 from .block_sizes import BlockSizes
 from .request import Request
 from .roles import KV_ROWS, PAIRS, PER_DEVICE, Q_ROWS
@@ -68,25 +68,27 @@ def run(request: Request, attention, *, per_device: bool):
                   "manual-sharding region). The 'pallas' backend (TPU) runs per device.", stacklevel=5)
     if not per_device or not isinstance(sharding, Sharding):
         return attention(request.tensors().map(_one_shard), request.options)
+    if device_mesh.is_device_mesh(sharding.mesh):  # one process per device: its tensors are its own already
+        return device_mesh.run(request, attention, sharding, local_blocks)
     b, h, s = sharding.batch, sharding.heads, sharding.sequence
     options, offsets = request.options, None
     if s:
         shards = sharding.ways(s)
         offsets = context.row_offsets(request.q_len, shards, sharding.balanced)
         options = dataclasses.replace(options, sequence_shard=(request.q_len, request.q_len // shards // 2),
-                                      block_sizes=_local_blocks(sharding, request))
+                                      block_sizes=local_blocks(options.block_sizes, request.q_len // shards,
+                                                               request.kv_len, sharding.balanced))
     tensors = request.tensors(sharding.ways(b), sharding.ways(h), offsets)
     out, lse = attention(tensors.map(lambda field, t: _one_shard(field, _local(sharding, field, t))), options)
     return (_ToGlobal.apply(out, sharding, sharding.spec(b, h, s, None), q.shape),
             _ToGlobal.apply(lse, sharding, sharding.spec(b, h, s), q.shape[:3]))
 
 
-def _local_blocks(sharding: Sharding, request: Request) -> BlockSizes:
-    """The call's block sizes on one device's rows: clamped to them and, balanced, dividing each half (a
-    query block must lie in one chunk, whose rows share one offset)."""
-    local = request.q_len // sharding.ways(sharding.sequence)
-    blocks = request.options.block_sizes.clamped(local, request.kv_len)
-    if not sharding.balanced:
+def local_blocks(blocks: BlockSizes, local: int, kv_len: int, balanced: bool) -> BlockSizes:
+    """The call's block sizes on one device's ``local`` rows (and ``kv_len`` keys): clamped to them and, balanced,
+    dividing each half (a query block must lie in one chunk, whose rows share one offset)."""
+    blocks = blocks.clamped(local, kv_len)
+    if not balanced:
         return blocks
     half = local // 2
     if half % SUBLANES:

@@ -31,6 +31,15 @@ NAMESPACE = "torchattn_tpu"
 _GOOGLE_PCI_VENDOR = "0x1ae0"  # TPU chips (and Google's virtual NICs) on the PCI bus
 
 
+def tpu_attached() -> bool:
+    """Whether this machine may have a TPU: a TPU device file, or a PCI device of Google's vendor id (TPU chips, and
+    Google's virtual NICs, so it can say yes on a VM without one); no means none, without starting libtpu."""
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    return any(pathlib.Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR
+               for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"))
+
+
 def skip_metadata_server_without_tpu() -> None:
     """On a machine with no TPU, tell libtpu not to ask for the TPU VM's metadata server.
 
@@ -41,12 +50,8 @@ def skip_metadata_server_without_tpu() -> None:
     starts, so setting it after ``import torch`` is in time. Left alone where the user set it, and wherever a
     device of Google's PCI vendor id or a TPU device file is present: a TPU VM needs the metadata server for its
     slice's topology."""
-    if "TPU_SKIP_MDS_QUERY" in os.environ or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return
-    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        if pathlib.Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
-            return
-    os.environ["TPU_SKIP_MDS_QUERY"] = "1"
+    if "TPU_SKIP_MDS_QUERY" not in os.environ and not tpu_attached():
+        os.environ["TPU_SKIP_MDS_QUERY"] = "1"
 
 
 def call(role: str, spec, args) -> tuple[torch.Tensor, ...]:

@@ -70,9 +70,7 @@ class _Train(Command):
         self.stop_at_step = stop_at_step
 
     def parse(self, argv: list[str]) -> RunConfig:
-        if not {"-h", "--help"} & set(argv):  # before parsing: an explicit --mesh reads the runtime's devices
-            runtime.require()
-        return parse_args(argv, devices=runtime.devices)
+        return parse_args(argv, runtime=runtime.select)  # the run's runtime, selected for this process
 
     def plan(self, config: RunConfig) -> int | None:
         if config.compile_only.topology is None:
@@ -87,12 +85,15 @@ class _Train(Command):
         return Trainer(config, stop_at_step=self.stop_at_step)
 
     def run(self, trainer) -> dict:
-        print(f"output folder: {trainer.config.run.output_dir}", flush=True)
-        if trainer.mesh_description is not None:
-            print(f"mesh: {trainer.mesh_description}", flush=True)
+        if trainer.placement.is_main:  # the process that writes the run's files says where they are
+            print(f"output folder: {trainer.config.run.output_dir}", flush=True)
+            if trainer.mesh_description is not None:
+                print(f"mesh: {trainer.mesh_description}", flush=True)
         return trainer.train()
 
     def report(self, trainer, summary: dict) -> None:
+        if not trainer.placement.is_main:
+            return
         # The task's headline metrics last, on lines of their own (not also in the table).
         results = trainer.task.result_rows(summary)
         headline = [(name, value) for name, value in results if name in trainer.task.HEADLINE]

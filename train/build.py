@@ -21,6 +21,7 @@ from . import tasks
 from .config import ConfigError, RunConfig
 from .data import sources, splits
 from .errors import DataError
+from . import runtime
 from .runtime import Placement
 
 
@@ -130,10 +131,13 @@ def model_and_data(config: RunConfig, where: Placement) -> ModelAndData:
                           f"got {config.data.max_length}")
     tokenized = task.tokenize(documents, tokenizer, config.data.max_length)
     host, hosts = where.spmd.part if where.spmd else (0, 1)
+    # The labels of a causal LM shifted on the host: for the dual-chunk order, and wherever a row's tokens are split
+    # over processes before the model (the next token may be another's): context_order.balanced, in order 1.
+    shifted = where.spmd is not None and where.spmd.labels_shifted_on_host
     # The task's batch lengths: packed rows of exactly max_length, or documents padded to a bucket.
     loader = dict(batch_size=config.data.batch_size, buckets=task.lengths(config.data.max_length),
                   pad_id=tokenizer.pad_token_id, seed=config.run.seed, host=host, hosts=hosts,
-                  balance=config.parallel.context if config.parallel.balance_context else None)
+                  balance=config.parallel.context if config.parallel.balance_context else 1 if shifted else None)
     train_loader = task.batches(tokenized["train"], shuffle=True, drop_last=True, **loader)
     # --eval-batches: a fixed sample of that many batches' rows (the task's: classification stratifies by label).
     evaluated = None if config.data.eval_batches is None else config.data.eval_batches * config.data.batch_size
@@ -168,4 +172,6 @@ def placed_model(model: torch.nn.Module, config: RunConfig, where: Placement):
         # Moves the model to the device; the optimizer then all-reduces gradients across processes.
         return where.accelerator.prepare(model, optimizer(model.parameters(), config))
     model = where.spmd.shard_model(model) if where.spmd else model.to(where.device)
+    if config.model.compile:  # in place: the state dict keeps its names (torch.compile's wrapper would prefix them)
+        model.compile(backend=runtime.compile_backend())
     return model, optimizer(model.parameters(), config)

@@ -220,7 +220,7 @@ def _steady_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, spmd
         parameter.grad = runtime.placeholder(parameter, spmd)
     for moments in optimizer.state.values():
         for key, value in moments.items():
-            if value.device.type == runtime.DEVICE_TYPE:
+            if value.device.type == runtime.device_type():
                 moments[key] = runtime.placeholder(value, spmd)
 
 
@@ -249,7 +249,7 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
     # After the update the same Python objects hold the new values: the arguments they overwrite.
     updated = [t for t in (*model.parameters(), *(p.grad for p in model.parameters()),
                            *(v for moments in optimizer.state.values() for v in moments.values()))
-               if t.device.type == runtime.DEVICE_TYPE]
+               if t.device.type == runtime.device_type()]
     donated = sum(_bytes_per_chip(t, spmd) for t in updated)
     return runtime.stablehlo([loss, *updated]), donated
 
@@ -382,9 +382,12 @@ def _stop(signum, frame):
 
 def run(config: RunConfig) -> int:
     """Compiles the step for every implementation and length, prints the table, writes the CSV; exit status 0, or 1
-    when no step compiled (python -m train refused it before, in one line, without torch_xla: runtime.require).
+    when no step compiled. ConfigError on the torch runtime: the step is traced with torch_xla.
     Ctrl-C or SIGTERM stops it with one line on stderr and status 128 + the signal (130, 143), as it
     stops training; the CSV, replaced whole after every row, keeps the rows compiled before."""
+    if config.parallel.runtime != "torch_xla":
+        raise ConfigError(f"--compile-only: traces the step with torch_xla, which --runtime {config.parallel.runtime} "
+                          "is not: run it with --runtime torch_xla, in .venv (built by `bash scripts/env.sh`)")
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _sweep(config)

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import time
+import importlib.util
 from typing import Any, Callable
 
 from . import tasks  # the names only: the task modules import torch, which parsing flags does not need
@@ -35,10 +36,13 @@ SCHEDULES = ("linear", "cosine")
 # devices neighbours): its collectives come with every matmul, context's (K/V gathers) once per layer.
 MESH_AXES = ("data", "fsdp", "context", "model")
 BATCH_AXES = ("data", "fsdp")
+PARAMETER_AXIS = "fsdp"  # the axis parameters are sharded over, and the one --mesh auto spreads a run over
 SEQUENCE_AXIS = "context"
 RECIPE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "recipes")
 CONFIG_SUFFIXES = (".toml", ".yaml", ".yml")  # --config's and recipe files' formats
 RECIPE_NAMES = tuple(sorted(name.removesuffix(".toml") for name in os.listdir(RECIPE_DIR) if name.endswith(".toml")))
+RUNTIMES = ("torch_xla", "torch")  # what runs a run (train/runtime/): --runtime
+AUTO = "auto"
 AUTO_MESH = "auto"  # --mesh's default: decided by the devices the process drives (runtime.default_mesh)
 MAX_COMPILE_LENGTH = 32768  # --compile-only's longest default length: longer graphs take minutes to compile
 
@@ -168,6 +172,8 @@ class Model(_Group):
                                  default=None)
     grad_checkpointing: bool = _doc("recompute each layer's activations in the backward pass (less memory)",
                                     default=False)
+    compile: bool = _doc("--runtime torch: run the model through torch.compile (TorchTPU's backend on its device, "
+                         "inductor on the CPU); torch_xla traces every step into a graph already", default=False)
 
     def check(self) -> None:
         self._choice("attn", ATTNS)
@@ -256,13 +262,18 @@ class CompileOnly(_Group):
 
 @dataclasses.dataclass(kw_only=True)
 class Parallel(_Group):
-    """The devices the run trains on."""
+    """The devices the run trains on, and what runs it."""
 
-    mesh: str | None = _doc("train on all devices with torch_xla SPMD over this device mesh, e.g. data=2,fsdp=2: "
-                            "axes data, fsdp (batch and parameters), context (the sequence) and model "
-                            "(attention heads), sizes multiplying to the device count; none: one device; auto: "
-                            "fsdp over every device when the process has several (one device if --batch-size "
-                            "is not a multiple of their count, or under accelerate launch --tpu)", default=AUTO_MESH)
+    runtime: str = _doc("what runs the run: torch_xla (its SPMD over the devices of a slice; XLA:CPU without a TPU) "
+                        "or torch (torch.distributed, one process per device: TorchTPU's tpu device, else the "
+                        "CPU; several processes under torchrun); auto: torch_xla where it is installed, else torch",
+                        default=AUTO)
+    mesh: str | None = _doc("train on all devices over this device mesh, e.g. data=2,fsdp=2: axes data, fsdp (batch "
+                            "and parameters), context (the sequence) and model (attention heads), sizes multiplying "
+                            "to the device count (torch_xla's SPMD devices, or torchrun's processes); none: one "
+                            "device; auto: fsdp over every device when the run has several (one device if "
+                            "--batch-size is not a multiple of their count, or under accelerate launch --tpu)",
+                            default=AUTO_MESH)
     balance_context: bool = _doc("with a context axis in --mesh and a causal task: feed the tokens in the "
                                  "dual-chunk order (device i of n holds chunks i and 2n-1-i of 2n), so causal "
                                  "attention gives every device the same work (torchattn only)", default=False)
@@ -282,6 +293,7 @@ class Parallel(_Group):
         return mesh_axes(self.mesh).get(SEQUENCE_AXIS, 1) if self.explicit else 1
 
     def check(self) -> None:
+        self._choice("runtime", (AUTO, *RUNTIMES))
         if self.explicit:
             mesh_axes(self.mesh)
         if self.balance_context and self.context == 1:
@@ -390,8 +402,9 @@ GROUPS: dict[str, type[_Group]] = {f.name: f.default_factory for f in dataclasse
 # keys in this order, which is not the groups'.
 FLAGS = ("recipe", "model", "dataset", "text_column", "label_column", "task", "max_length", "attn", "backend",
          "batch_size", "grad_accum", "lr", "lr_schedule", "warmup", "weight_decay", "max_grad_norm", "epochs",
-         "max_steps", "bf16", "dropout", "grad_checkpointing", "seed", "eval_fraction", "eval_batches", "output_dir",
-         "log_steps", "save_steps", "keep_checkpoints", "resume", "profile", "mesh", "balance_context",
+         "max_steps", "bf16", "dropout", "grad_checkpointing", "compile", "seed", "eval_fraction", "eval_batches",
+         "output_dir", "log_steps", "save_steps", "keep_checkpoints", "resume", "profile", "runtime", "mesh",
+         "balance_context",
          "compile_only", "compile_lengths", "compile_attn", "compile_layers", "compile_report")
 _BY_KEY = {_key(field): (group, field) for group, kind in GROUPS.items() for field in dataclasses.fields(kind)}
 FIELDS: dict[str, tuple[str, dataclasses.Field]] = {key: _BY_KEY[key] for key in FLAGS}  # key -> (group, field)
@@ -553,26 +566,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_mesh_devices(axes: dict[str, int], devices: int, device_type: str) -> None:
+def xla_devices_hint(wanted: int, devices: int, device_type: str) -> str:
+    """How torch_xla gets ``wanted`` devices: XLA:CPU's virtual ones, or a slice that has them."""
+    return (f"XLA:CPU has {wanted} virtual devices with CPU_NUM_DEVICES={wanted}" if device_type == "CPU"
+            else f"this slice has {devices} {device_type} devices")
+
+
+def check_mesh_devices(axes: dict[str, int], devices: int, device_type: str,
+                       hint: Callable[[int, int, str], str] = xla_devices_hint) -> None:
     """ConfigError naming --mesh when its sizes do not multiply to the ``devices`` of ``device_type`` the
-    run has, and how to get that many."""
+    run has, and how to get that many (``hint(wanted, devices, device_type)``: the runtime's words)."""
     wanted = math.prod(axes.values())
     if wanted != devices:
         text = ",".join(f"{axis}={size}" for axis, size in axes.items())
-        more = (f"XLA:CPU has {wanted} virtual devices with CPU_NUM_DEVICES={wanted}" if device_type == "CPU"
-                else f"this slice has {devices} {device_type} devices")
+        more = hint(wanted, devices, device_type)
         raise ConfigError(f"--mesh: expected axis sizes whose product is the {devices} device{'s' * (devices != 1)}"
                           f", got {text!r} ({more})")
 
 
-def parse_args(argv: list[str] | None = None, *,
-               devices: Callable[[], tuple[int, str]] | None = None) -> RunConfig:
-    """The run's configuration from the command line (and the files it names).
+def installed_runtime() -> str:
+    """--runtime auto: torch_xla where it is installed, else torch (found without importing either)."""
+    return RUNTIMES[0] if importlib.util.find_spec("torch_xla") is not None else RUNTIMES[1]
 
-    ``devices``: () -> (count, device type) of the devices the run has; given, an explicit --mesh is checked
-    against them before anything else (a mesh that does not fit is the cause of what else it breaks, e.g. a
-    --max-length its context axis does not split). --compile-only's mesh is its topology's, checked there.
-    Raises ConfigError (one line naming the flag) for any bad value, file or recipe.
+
+def parse_args(argv: list[str] | None = None, *, runtime: Callable[[str], Any] | None = None) -> RunConfig:
+    """The run's configuration from the command line (and the files it names), --runtime auto decided.
+
+    ``runtime``: name -> the runtime of that name, selected for this process (train.runtime.select: ConfigError
+    when it is not installed); given, an explicit --mesh is checked against its devices before anything else (a
+    mesh that does not fit is the cause of what else it breaks, e.g. a --max-length its context axis does not
+    split). --compile-only's mesh is its topology's, checked there. Raises ConfigError (one line naming the flag)
+    for any bad value, file or recipe.
     """
     given = vars(build_parser().parse_args(argv))
     file_values = read_config_file(given.pop("config")) if "config" in given else {}
@@ -594,9 +618,14 @@ def parse_args(argv: list[str] | None = None, *,
     if _is_recipe_file(explicit.get("recipe", "")):  # the file it is, wherever the run is resumed or read from
         explicit["recipe"] = os.path.abspath(explicit["recipe"])
     values = {**base, **explicit}
-    parallel = Parallel(mesh=values.get("mesh", AUTO_MESH))
-    if devices is not None and parallel.explicit and values.get("compile_only") is None:
-        check_mesh_devices(mesh_axes(parallel.mesh), *devices())
+    if values.get("runtime", AUTO) == AUTO:
+        values["runtime"] = installed_runtime()
+    parallel = Parallel(mesh=values.get("mesh", AUTO_MESH), runtime=values["runtime"])
+    parallel.check()  # an unknown runtime or a malformed mesh is named before the runtime is asked for devices
+    if runtime is not None:
+        chosen = runtime(parallel.runtime)
+        if parallel.explicit and values.get("compile_only") is None:
+            check_mesh_devices(mesh_axes(parallel.mesh), *chosen.devices(), hint=chosen.devices_hint)
     return RunConfig.from_flat(values)
 
 
@@ -604,7 +633,7 @@ CONFIG_FILE = "config.json"
 # With --resume these must stay as the run has them: they decide what the checkpoint's weights,
 # optimizer state and data position (epoch, batch index) mean.
 FIXED_ON_RESUME = ("recipe", "model", "task", "dataset", "text_column", "label_column", "max_length",
-                   "batch_size", "grad_accum", "seed", "eval_fraction")
+                   "batch_size", "grad_accum", "seed", "eval_fraction", "runtime")
 
 
 def saved_config(output_dir: str) -> dict[str, Any]:
@@ -635,7 +664,8 @@ def is_run_config(path: str) -> bool:
             saved = json.load(f)
     except (OSError, ValueError):
         return False
-    return isinstance(saved, dict) and all(name in saved for name in FIXED_ON_RESUME)
+    # runtime: since the trainer has two; a run from before has every other one.
+    return isinstance(saved, dict) and all(name in saved for name in FIXED_ON_RESUME if name != "runtime")
 
 
 def resume_changes(saved: dict[str, Any], config: RunConfig) -> dict[str, tuple[Any, Any]]:

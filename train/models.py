@@ -300,7 +300,12 @@ def model_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]):
 def cpu_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state_dict with every tensor copied to the CPU. Under a multi-host mesh the copy of a
     sharded weight is a collective: every host must call this, not only the one that writes."""
-    return {key: value.detach().cpu() for key, value in model.state_dict().items()}
+    return {key: _whole(value.detach()).cpu() for key, value in model.state_dict().items()}
+
+
+def _whole(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole tensor (FSDP2 and tensor parallel on the torch runtime: every process takes part)."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
 
 
 def save_model(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase,

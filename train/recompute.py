@@ -43,7 +43,7 @@ def _checkpointed(layer: torch.nn.Module, *args, **kwargs):
         if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
             raise NotImplementedError(f"--grad-checkpointing: {type(layer).__name__} gets {key!r}, a tensor that "
                                       f"needs gradients, as a keyword argument; it would get none after recompute")
-    if args and args[0].device.type == runtime.DEVICE_TYPE:
+    if args and args[0].device.type == "xla":
         # A method of the layer, so the optimization barrier covers the layer's weights too.
         run = types.MethodType(functools.partial(_run_layer, forward=forward, kwargs=kwargs), layer)
         return runtime.recompute(run, *args)

@@ -76,7 +76,7 @@ def seed_everything(seed: int, device) -> None:
 
 def autocast(config: RunConfig):
     """--bf16: compute in bfloat16 under autocast; weights, gradients and optimizer state stay float32."""
-    return torch.autocast(runtime.DEVICE_TYPE, dtype=torch.bfloat16, enabled=config.model.bf16)
+    return torch.autocast(runtime.device_type(), dtype=torch.bfloat16, enabled=config.model.bf16)
 
 
 def micro_batch_gradients(model: torch.nn.Module, inputs: dict[str, torch.Tensor], config: RunConfig
@@ -94,7 +94,7 @@ def optimizer_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
                      spmd: runtime.Spmd | None = None) -> None:
     """The optimizer step after the micro-batches: clip, decay, AdamW, zero the gradients in place."""
     if config.optimizer.max_grad_norm > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
+        runtime.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
     if config.optimizer.weight_decay > 0:
         # AdamW's decoupled decay, w -= lr * wd * w, before its update as in torch's AdamW.
         # torch's AdamW multiplies by the Python float 1 - lr * wd instead: late in a
@@ -109,6 +109,10 @@ def optimizer_update(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     optimizer.zero_grad(set_to_none=False)
     if spmd is not None:  # the step's outputs keep the parameters' sharding
         spmd.shard_like_parameters(model, optimizer)
+
+
+def _unchanged(value: torch.Tensor) -> torch.Tensor:
+    return value
 
 
 class Trainer:
@@ -270,13 +274,11 @@ class Trainer:
     # Stateful
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "position": dataclasses.asdict(self.position),
-                "rng": checkpoint.rng_state(self.placement.device)}
+        return {**runtime.model_state(self.model, self.optimizer), "scheduler": self.scheduler.state_dict(),
+                "position": dataclasses.asdict(self.position), "rng": checkpoint.rng_state(self.placement.device)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        runtime.load_model_state(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(state["scheduler"])
         self.position = Position(**state["position"])
         checkpoint.set_rng_state(state["rng"], self.placement.device)
@@ -346,7 +348,7 @@ class Trainer:
             if index % self.placement.world != self.placement.rank:
                 continue
             tokens += self.task.tokens(batch)
-            loss, new = self._micro_step(inputs)
+            loss, new = self._micro_step(inputs, last=len(micro_losses) + 1 == config.optimizer.grad_accum)
             micro_losses.append(loss)
             compiled += new
             if len(micro_losses) < config.optimizer.grad_accum:
@@ -388,10 +390,12 @@ class Trainer:
         runtime.sync()
         return self.compiles.after(kind, shape, self.position.step + 1)
 
-    def _micro_step(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
-        """Forward and backward of one micro-batch, gradients added to .grad; returns its loss
-        (on the device) and how many graphs that compiled."""
+    def _micro_step(self, batch: dict[str, torch.Tensor], *, last: bool) -> tuple[torch.Tensor, int]:
+        """Forward and backward of one micro-batch, gradients added to .grad (reduced over a mesh's processes
+        with the step's ``last``); returns its loss (on the device) and how many graphs that compiled."""
         losses = []
+        if self.placement.spmd is not None:
+            self.placement.spmd.gradient_sync(self.model, last)
 
         def forward_backward():
             inputs = {name: tensor.to(self.placement.device) for name, tensor in batch.items()}
@@ -420,11 +424,14 @@ class Trainer:
         if self._stop_at_step == step and self._signal is None:
             self._signal = signal.SIGTERM
         stop = self._signal  # a signal arriving from here on is handled after the next step
+        if self.placement.spmd is not None:  # every process stops after the same step (each saves its part)
+            stop = self.placement.spmd.agreed_signal(stop)
         logged = step % config.logging.log_steps == 0 or step == self.total_steps
         saving = stop is not None or self.checkpointer.due(step) or step == self.total_steps
         loss = None
         if logged or saving:  # the loss reaches the host only here: no extra sync on other steps
-            loss = sum(t.item() for t in micro_losses) / len(micro_losses)
+            spmd = self.placement.spmd
+            loss = sum((spmd.mean(t) if spmd else t).item() for t in micro_losses) / len(micro_losses)
             if not math.isfinite(loss):  # before it is logged, checkpointed or saved as model/
                 raise Stopped(f"step {step}: the training loss is {loss}; stopped without checkpointing this "
                               "step or writing model/. "
@@ -495,7 +502,7 @@ class Trainer:
                 evaluation.add(model_outputs(self.model, self.task.model_inputs(inputs)), inputs)
             runtime.sync()
             self.compiles.after("eval", tuple(batch["input_ids"].shape), self.position.step)
-        result = evaluation.result()
+        result = evaluation.result(self.placement.spmd.gather if self.placement.spmd else _unchanged)
         record = {"step": self.position.step, "eval": True, **result}
         self.metrics.write(record)
         self.display.line("eval step {}: ".format(self.position.step)

@@ -112,8 +112,8 @@ class Evaluation:
         self._errors.append(torch.where(real, error, 0.0).sum())
         self._rows.append(real.sum())
 
-    def result(self) -> dict[str, float]:
-        return {"mse": sum(e.item() for e in self._errors) / sum(n.item() for n in self._rows)}
+    def result(self, gather) -> dict[str, float]:
+        return {"mse": gather(torch.stack(self._errors)).sum().item() / gather(torch.stack(self._rows)).sum().item()}
 
 
 def summary(first_eval: dict | None, final_eval: dict) -> dict:

@@ -19,11 +19,13 @@ BACKENDS = {m.BACKEND.name: m.BACKEND for m in (pallas, interpret, simulated, xl
 
 # Preference per device kind. On XLA devices other than TPU the `xla` backend is
 # preferred to `interpret`: interpret mode emulates the TPU kernel (for testing)
-# and is slower than attention compiled by XLA for that device.
+# and is slower than attention compiled by XLA for that device. On plain tensors `interpret`
+# comes last: it is what runs a sequence-sharded call over a DeviceMesh there (only the
+# per-device backends can), and reference serves every other call first.
 _PREFERENCE = {
     "tpu": ("pallas", "xla", "reference"),
     "xla": ("xla", "interpret", "reference"),
-    "torch": ("sdpa", "reference"),
+    "torch": ("sdpa", "reference", "interpret"),
 }
 
 

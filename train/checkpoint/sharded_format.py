@@ -32,7 +32,7 @@ DIGESTS = "SHA256SUMS"  # one line per other file of the folder: "<sha256>  <nam
 def _on_device(value) -> bool:
     """Whether ``value`` holds a tensor on the runtime's device (in nested dicts, lists, tuples)."""
     if isinstance(value, torch.Tensor):
-        return value.device.type == runtime.DEVICE_TYPE
+        return runtime.is_sharded(value)
     if isinstance(value, dict):
         return any(_on_device(item) for item in value.values())
     if isinstance(value, (list, tuple)):

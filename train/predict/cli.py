@@ -26,7 +26,7 @@ class Predict(Command):
 
     def parse(self, argv: list[str]) -> PredictConfig:
         config = parse_args(argv)
-        runtime.require()
+        runtime.select(config.runtime)
         return config
 
     def plan(self, config: PredictConfig) -> int | None:

@@ -10,7 +10,8 @@ import os
 from typing import NamedTuple
 
 from .. import tasks
-from ..config import ATTNS, AUTO_MESH, CONFIG_FILE, ConfigError, Parser, is_run_config, mesh_axes
+from ..config import (ATTNS, AUTO, AUTO_MESH, CONFIG_FILE, RUNTIMES, ConfigError, Parser, installed_runtime,
+                      is_run_config, mesh_axes)
 from .shards import FORMATS
 from .windows import CHUNK, LONG, TRUNCATE
 
@@ -29,6 +30,7 @@ class PredictConfig:
     rows_per_device: int = 1
     max_length: int | None = None
     mesh: str | None = AUTO_MESH
+    runtime: str = AUTO
     attn: str = "torchattn"
     text_column: str = "text"
     long: str = TRUNCATE
@@ -58,6 +60,11 @@ class PredictConfig:
                               f"{self.long}")
         if self.mesh not in (None, AUTO_MESH):
             mesh_axes(self.mesh)
+        if self.runtime not in (AUTO, *RUNTIMES):
+            raise ConfigError(f"--runtime: expected one of {', '.join((AUTO, *RUNTIMES))}, got {self.runtime!r}")
+        if self.runtime == "torch" and self.mesh not in (None, AUTO_MESH):
+            raise ConfigError(f"--mesh: the torch runtime predicts with one device per process (torchrun's), each "
+                              f"its share of the shards; expected none or auto, got {self.mesh!r}")
 
 
 class Lengths(NamedTuple):
@@ -135,6 +142,10 @@ def build_parser() -> Parser:
                                        f"{DEFAULT_MAX_LENGTH}, or the model's limit if lower)")
     add("--mesh", default=AUTO_MESH, help="devices as in training (data=4, fsdp=2,data=2, ...); none: one device; "
                                           "auto (default): data over every device of the host")
+    add("--runtime", default=AUTO,
+        help=f"{'|'.join(RUNTIMES)}: what runs the model (as in training); torch: one device per process, several "
+             "under torchrun, each predicting its share of the shards; auto (default): torch_xla where it is "
+             "installed, else torch")
     add("--attn", default="torchattn", help="|".join(ATTNS) + " (default torchattn)")
     add("--text-column", default="text", help="column holding the text (default 'text')")
     add("--long", default=TRUNCATE, help=f"{'|'.join(LONG)}: a document longer than --max-length is truncated "
@@ -154,4 +165,6 @@ def parse_args(argv: list[str]) -> PredictConfig:
     values = vars(build_parser().parse_args(argv))
     if isinstance(values["mesh"], str) and values["mesh"].strip().lower() == "none":
         values["mesh"] = None
+    if values["runtime"] == AUTO:
+        values["runtime"] = installed_runtime()
     return PredictConfig(**values)

@@ -75,7 +75,8 @@ class Job:
         from .runner import Runner
 
         # Before anything touches the device: SPMD turns on here. Data-parallel: a copy of the model on every device.
-        mesh, _ = runtime.resolve_mesh(config.mesh, axis="data")
+        # The torch runtime: one device per process, each its share of the shards (Runner.part).
+        mesh, _ = runtime.resolve_mesh(config.mesh, axis="data") if config.runtime == "torch_xla" else (None, None)
         built = model.build(loaded, config, weights=True)
         self.head = loaded.head(built.config)
         self.head.prepare(built)

@@ -31,10 +31,9 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 import torch
 
-from ..config import BATCH_AXES, SEQUENCE_AXIS, ConfigError, batch_devices, check_mesh_devices, mesh_axes
-
-DEVICE_TYPE = "xla"  # torch's name for the device type of the tensors on it (autocast, placed tensors)
-PARAMETER_AXIS = "fsdp"
+from ..config import (BATCH_AXES, PARAMETER_AXIS, SEQUENCE_AXIS, ConfigError, RunConfig, batch_devices,
+                      check_mesh_devices, mesh_axes)
+from ..config import xla_devices_hint as devices_hint  # noqa: F401  (a runtime's name: train/runtime/__init__.py)
 
 
 # ------------------------------------------------------------------
@@ -42,13 +41,13 @@ PARAMETER_AXIS = "fsdp"
 
 
 def require() -> None:
-    """ConfigError unless torch_xla is installed: training, predicting and tracing a step for --compile-only run on
-    it, and TorchTPU's environment (.venv-current, docs/versions.md) has none, so each command says where to run."""
+    """ConfigError unless torch_xla is installed: TorchTPU's environment (.venv-current, docs/versions.md) has
+    none, so the command says where it runs."""
     from torchattn import _versions
 
     if importlib.util.find_spec("torch_xla") is None:
-        raise ConfigError(f"needs torch_xla (the trainer runs on torch_xla's stack), which this environment does not "
-                          f"have: run it in {_versions.VENVS['xla']} (built by `bash scripts/env.sh`)")
+        raise ConfigError(f"--runtime torch_xla: needs torch_xla, which this environment does not have: run it "
+                          f"in {_versions.VENVS['xla']} (built by `bash scripts/env.sh`), or --runtime torch here")
 
 
 def devices() -> tuple[int, str]:
@@ -57,6 +56,14 @@ def devices() -> tuple[int, str]:
     import torch_xla.runtime as xr
 
     return xr.global_runtime_device_count(), xr.device_type()
+
+
+def refusal(config: RunConfig) -> str | None:
+    """A setting this runtime does not serve, in one line; None when it serves them all."""
+    if config.model.compile:
+        return ("--compile: torch_xla traces every step into an XLA graph already (torch.compile is the torch "
+                "runtime's: --runtime torch)")
+    return None
 
 
 def launched_per_chip() -> bool:
@@ -83,6 +90,11 @@ def device() -> torch.device:
     import torch_xla
 
     return torch_xla.device()
+
+
+def device_type() -> str:
+    """torch's name for the type of the process's device (autocast, the tensors placed on it)."""
+    return "xla"
 
 
 def sync() -> None:
@@ -150,6 +162,27 @@ def recompute(run, *args):
 # ------------------------------------------------------------------
 # Sharded checkpoints (train/checkpoint/sharded_format.py): torch.distributed.checkpoint (DCP) with torch_xla's
 # SPMD planners, each process writing and reading the shards it holds
+
+
+def clip_grad_norm_(parameters, max_norm: float) -> None:
+    """Scales the gradients down to a total 2-norm of ``max_norm`` at most (torch's clip_grad_norm_)."""
+    torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+
+def model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The checkpoint's "model" and "optimizer" entries: the modules' own state dicts (on the device, sharded
+    under SPMD)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def load_model_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+
+
+def is_sharded(value) -> bool:
+    """Whether ``value`` is a tensor a sharded checkpoint writes through DCP: one on the XLA device."""
+    return isinstance(value, torch.Tensor) and value.device.type == "xla"
 
 
 def prime_optimizer(optimizer: torch.optim.Optimizer) -> None:
@@ -313,6 +346,26 @@ class Spmd:
         self.minibatch = batch_devices(axes) == count
         self.part = (self.host, hosts) if self.minibatch else (0, 1)  # (this host's part, parts) of a batch
         self.description = f"{text} ({count} devices, {hosts} host{'s' * (hosts > 1)})"
+        self.labels_shifted_on_host = False  # the partitioner splits the sequence inside one program
+
+    @staticmethod
+    def agreed_signal(signum: int | None) -> int | None:
+        """The signal every process stops on after this step: one process drives the program, its own."""
+        return signum
+
+    @staticmethod
+    def gradient_sync(model: torch.nn.Module, enabled: bool) -> None:
+        """Nothing: the partitioner reduces gradients inside the step's program, where their sum is used."""
+
+    # The losses and metrics: the program's tensors are the global ones already.
+
+    @staticmethod
+    def mean(value: torch.Tensor) -> torch.Tensor:
+        return value
+
+    @staticmethod
+    def gather(value: torch.Tensor) -> torch.Tensor:
+        return value.reshape(-1) if value.dim() == 0 else value
 
     # ------------------------------------------------------------------
     # Parameters, gradients, optimizer state

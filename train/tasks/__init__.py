@@ -81,7 +81,8 @@ class TrainSpec(Protocol):
     MODEL_CLASS: type  # the transformers auto class of its model
     check_head: Callable  # (num_labels, label_names) -> None; ModelError for a head the task cannot build
     # Its evaluation and summary
-    Evaluation: type  # Evaluation(): .add(outputs, inputs) per batch, .result() -> the metrics
+    Evaluation: type  # Evaluation(): .add(outputs, inputs) per batch, .result(gather) -> the metrics (gather(t):
+    #   t of every process holding other tokens, concatenated: the torch runtime's mesh; else t itself)
     result_rows: Callable  # (summary) -> [(name, value)]: its metrics' rows of the summary table
     HEADLINE: tuple[str, ...]  # the rows python -m train prints last, below its table
     plot_eval: Callable  # (axis, eval_records) -> None: its metrics on the loss plot (loss.png)

@@ -241,9 +241,11 @@ class Evaluation:
         self._predictions.append(outputs.logits.argmax(dim=-1))
         self._labels.append(inputs["labels"])
 
-    def result(self) -> dict[str, float]:
-        predictions = torch.cat([p.cpu() for p in self._predictions]).numpy()
-        truth = torch.cat([label.cpu() for label in self._labels]).numpy()
+    def result(self, gather=lambda value: value) -> dict[str, float]:
+        """``gather(tensor)``: the rows of every process holding others (the torch runtime's mesh). Each batch's
+        tensors reach the host one by one: a concatenation on an XLA device would be a graph of its own."""
+        predictions = gather(torch.cat([p.cpu() for p in self._predictions])).cpu().numpy()
+        truth = gather(torch.cat([label.cpu() for label in self._labels])).cpu().numpy()
         real = truth != IGNORE_INDEX  # rows that only fill the last batch up
         return classification_scores(predictions[real], truth[real])
 

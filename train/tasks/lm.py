@@ -181,16 +181,20 @@ class Evaluation:
         self._tokens: list[torch.Tensor] = []
 
     def add(self, outputs, inputs: dict[str, torch.Tensor]) -> None:
-        # HF's causal LM loss: mean over the tokens whose shifted label is not -100 (shifted already in a
-        # batch reordered by --balance-context: train/data/context_order.py).
+        # HF's causal LM loss: the sum over the tokens whose shifted label is not -100 (shifted already in a
+        # batch reordered by --balance-context: train/data/context_order.py), over their count, or over
+        # num_items_in_batch where the batch gives it (the torch runtime's share of a global count).
         shifted = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"][:, 1:]
         counted = (shifted != IGNORE_INDEX).sum()
-        self._losses.append(outputs.loss * counted)
+        self._losses.append(outputs.loss * inputs.get("num_items_in_batch", counted))
         self._tokens.append(counted)
 
-    def result(self) -> dict[str, float]:
-        nll = sum(t.item() for t in self._losses) / sum(t.item() for t in self._tokens)
-        return {"perplexity": math.exp(nll)}
+    def result(self, gather=lambda value: value) -> dict[str, float]:
+        """``gather(tensor)``: the values of every process holding other tokens (the torch runtime's mesh). Each
+        batch's value reaches the host alone: a stack on an XLA device would be a graph of its own."""
+        nll = gather(torch.stack([t.cpu().double() for t in self._losses])).sum().item()
+        tokens = gather(torch.stack([t.cpu() for t in self._tokens])).sum().item()
+        return {"perplexity": math.exp(nll / tokens)}
 
 
 def summary(first_eval: dict | None, final_eval: dict) -> dict:

@@ -9,27 +9,32 @@ schedule: CSV and PNG per generation.
 Each configuration's kernels are compiled for the generation with libtpu's compile-only client and
 read by ``torchattn.aot.schedule.measure``: estimated seconds per call from the VLIW schedule (an
 estimate from the compiler's static schedule, never a TPU timing). Implementations, at the same
-shapes and the same blocks: torchattn (forward, and the backward a call gets: the fused kernel plus the
-XLA sum of its dq partials, or dq and dk/dv; torchattn.kernels.backward.fused), splash attention with its split
+shapes: torchattn (forward, and the backward a call gets: the fused kernel plus the XLA sum of its dq
+partials, or dq and dk/dv; torchattn.kernels.backward.fused), JAX's splash attention with its split
 backward (dq, dk/dv) and with its fused backward (plus the XLA sum of its dq partials), and JAX's
-older flash_attention where it has the features (MHA only, no window or softcap); where tokamax is installed
-(.venv-current), Tokamax's splash (its forward and its fused backward with ``dq_reduction_steps=3``, the
-mode whose grid is the visible blocks, plus the XLA sum of its three dq partials; torchattn/aot/
-tokamax_kernels.py); and TorchTPU's ``torch.tpu.ops.splash_sdpa`` ("splash-sdpa"), which runs JAX's splash
-with its fused backward at its own default blocks, 512 everywhere (clamped to the length), and has no
-segment ids or softcap. Batch 1, bfloat16. The estimates carry the method's error bar (docs/performance.md).
+older flash_attention where it has the features (MHA only, no window or softcap), all three at torchattn's
+blocks; and the peers at their own configuration: where tokamax is installed (.venv-current), Tokamax's
+splash as its op configures it (its committed autotuning entry for the call, else its heuristics: blocks,
+compute block, scheduler, layouts, diagonal skip; its fused backward and the XLA sums after it; with segment
+ids it prunes the tiles pairing different documents, and a row packs DOCUMENTS documents of equal length;
+torchattn/aot/tokamax_kernels.py), and TorchTPU's ``torch.tpu.ops.splash_sdpa`` ("splash-sdpa"), which runs
+JAX's splash with its fused backward at its own default blocks, 512 everywhere (clamped to the length), with
+grouped kv heads repeated to one per query head (MHA's kernels), and has no segment ids or softcap. A peer's
+row gives its blocks and, in ``peer_config``, the rest of its configuration. Batch 1, bfloat16. The estimates
+carry the method's error bar (docs/performance.md).
 
 Grid: v5e, v6e and v7x: head_dim 64, 128, 256; causal and not; with and without packed segment ids;
 2048, 8192 and 32768 tokens; 32 query heads over 8 kv heads, and MHA (32 and 32); and 131072 tokens for
 causal 32/8 heads. v4 and v5p:
 head_dim 128, 8192 tokens, 32/8 heads, causal and not. ``--quick``: 2048 tokens, head_dim 128, MHA
 not causal and GQA causal with segment ids. Blocks: each generation's defaults
-(``BlockSizes.default``) unless ``--blocks``.
+(``BlockSizes.default``) unless ``--blocks``; the peers' own either way.
 
 A CSV row is one (configuration, implementation): status ("ok", "unsupported: ...", "failed:
 ..."), estimated seconds of forward, backward and both, per kernel its seconds and bundles per
-grid step, the bundles of the small XLA ops (broadcasts of segment ids, slices) the kernels'
-compiles also wrote (not in the seconds), and on torchattn's rows the ratio torchattn / best other
+grid step, the bundles of the small XLA ops (broadcasts of segment ids, slices, Tokamax's transposes
+to a sequence-minor layout and its pruning of tiles by segment ids) the kernels' compiles also wrote
+(not in the seconds), and on torchattn's rows the ratio torchattn / best other
 kernel (forward, backward, fwd+bwd: the fastest other implementation of each). The PNG plots the
 estimated times and the three ratios per configuration.
 """
@@ -51,12 +56,14 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused", "flash", "tokamax", "splash-sdpa")
-BACKWARD_KERNELS = ("backward_dq", "backward_dkv", "backward_fused", "dq_reduction")
+BACKWARD_KERNELS = ("backward_dq", "backward_dkv", "backward_fused", "dq_reduction", "dkv_reduction")
 FULL_GRID = ("v5e", "v6e", "v7x")
 GENERATION_NAMES = ("v5e", "v6e", "v4", "v5p", "v7x")
 SPLASH_SDPA_BLOCKS = 512  # torch.tpu.ops.splash_sdpa's defaults for every block
+DOCUMENTS = 4  # a row with segment ids packs this many documents of equal length (Tokamax prunes by their ranges)
 FIELDS = ("generation", "q_heads", "kv_heads", "seq_len", "head_dim", "causal", "segments", "block_q", "block_kv",
-          "block_q_bwd", "block_kv_bwd", "implementation", "status", "forward_s", "backward_s", "fwd_bwd_s",
+          "block_q_bwd", "block_kv_bwd", "implementation", "peer_config", "status", "forward_s", "backward_s",
+          "fwd_bwd_s",
           "forward_fraction_of_peak", "forward_bound_unit", "forward_step_bundles",
           *(f"{kernel}_{what}" for kernel in BACKWARD_KERNELS for what in ("s", "step_bundles")),
           "other_xla_ops_bundles", "ratio_forward", "ratio_backward", "ratio_fwd_bwd")
@@ -96,31 +103,44 @@ def grid(generation: str, quick: bool, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS) -
 
 
 def builders(attention, generation: str, blocks) -> dict:
-    """implementation -> a function building its schedule.Kernels (raises ValueError when unsupported)."""
+    """implementation -> a function building its schedule.Kernels and the row fields its own configuration sets
+    (a peer's blocks, where they are not ``blocks``, and ``peer_config``); raises ValueError when unsupported."""
     from torchattn.aot import jax_kernels, schedule
 
-    return {"torchattn": lambda: schedule.torchattn_kernels(attention, generation, blocks),
-            "splash": lambda: jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=False),
-            "splash-fused": lambda: jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
-            "flash": lambda: jax_kernels.flash_kernels(attention, generation, blocks),
-            "tokamax": lambda: _tokamax_kernels(attention, generation, blocks),
+    return {"torchattn": lambda: (schedule.torchattn_kernels(attention, generation, blocks), {}),
+            "splash": lambda: (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=False), {}),
+            "splash-fused": lambda: (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
+                                     {}),
+            "flash": lambda: (jax_kernels.flash_kernels(attention, generation, blocks), {}),
+            "tokamax": lambda: _tokamax_kernels(attention, generation),
             "splash-sdpa": lambda: _splash_sdpa_kernels(attention, generation)}
 
 
-def _tokamax_kernels(attention, generation: str, blocks) -> list:
+def _tokamax_kernels(attention, generation: str) -> tuple[list, dict]:
+    """Tokamax's forward and backward at its own configuration (its committed autotuning entry, else its
+    heuristics); a call with segment ids packs DOCUMENTS documents per row."""
     import importlib.util
 
     if importlib.util.find_spec("tokamax") is None:
         raise ValueError("tokamax is not installed here (it is in .venv-current, TorchTPU's stack)")
     from torchattn.aot import tokamax_kernels
 
-    return [tokamax_kernels.forward_kernel(attention, generation, blocks),
-            *tokamax_kernels.backward_kernels(attention, generation, blocks)]
+    (forward, forward_source), (backward, backward_source) = (tokamax_kernels.forward_config(attention, generation),
+                                                              tokamax_kernels.backward_config(attention, generation))
+    documents = [attention.q_len // DOCUMENTS] * DOCUMENTS if attention.segments else None
+    kernels = [tokamax_kernels.forward_kernel(attention, generation, forward, documents=documents),
+               *tokamax_kernels.backward_kernels(attention, generation, backward, documents=documents)]
+    return kernels, {"block_q": forward.block_q, "block_kv": forward.block_kv, "block_q_bwd": backward.block_q_dkv,
+                     "block_kv_bwd": backward.block_kv_dkv,
+                     "peer_config": f"forward {tokamax_kernels.config_text(forward, forward_source)}; backward "
+                                    f"{tokamax_kernels.config_text(backward, backward_source)}"}
 
 
-def _splash_sdpa_kernels(attention, generation: str) -> list:
+def _splash_sdpa_kernels(attention, generation: str) -> tuple[list, dict]:
     """splash_sdpa's kernels: JAX's splash, fused backward, at splash_sdpa's blocks (it takes no segment ids
-    nor a softcap, and its window is causal: (w, 0))."""
+    nor a softcap, and its window is causal: (w, 0)). Grouped kv heads it repeats to one per query head
+    (repeat_interleave; that copy and its gradient's sum are XLA ops outside the kernels, not counted), so its
+    kernels are MHA's."""
     from torchattn.aot import jax_kernels
     from torchattn.block_sizes import BlockSizes
 
@@ -128,8 +148,12 @@ def _splash_sdpa_kernels(attention, generation: str) -> list:
         raise ValueError("splash_sdpa takes no segment ids or softcap")
     if attention.window is not None and attention.window[1] != 0:
         raise ValueError(f"splash_sdpa's window is (w, 0), got {attention.window}")
-    return jax_kernels.splash_kernels(attention, generation, BlockSizes(*[SPLASH_SDPA_BLOCKS] * 4),
-                                      fused_backward=True)
+    repeated = 1 < attention.kv_heads < attention.q_heads
+    if repeated:
+        attention = dataclasses.replace(attention, kv_heads=attention.q_heads)
+    blocks = BlockSizes(*[SPLASH_SDPA_BLOCKS] * 4).clamped(attention.q_len, attention.kv_len)
+    return (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
+            {**dataclasses.asdict(blocks), "peer_config": "kv heads repeated to one per query head" * repeated})
 
 
 def measure_config(config: Config, blocks_flag, implementations=IMPLEMENTATIONS) -> list[dict]:
@@ -147,10 +171,11 @@ def measure_config(config: Config, blocks_flag, implementations=IMPLEMENTATIONS)
             continue
         row = {**base, "implementation": implementation}
         try:
-            kernels = build()
+            kernels, own = build()
         except ValueError as error:  # a feature or shape this kernel does not have
             rows.append({**row, "status": f"unsupported: {error}"})
             continue
+        row.update(own)
         try:
             estimates = schedule.measure(kernels, config.generation)
         except (RuntimeError, ValueError, NotImplementedError) as error:  # compile errors, VMEM, Mosaic refusals
@@ -316,8 +341,9 @@ def main(argv=None) -> int:
                         help="generations to compile for (default: all that this environment's libtpu compiles "
                              "for; v4 and v5p have a few rows)")
     parser.add_argument("--quick", action="store_true", help="two configurations per generation")
-    parser.add_argument("--blocks", type=_blocks, help="the same blocks for every configuration (default: each "
-                                                       "generation's defaults)")
+    parser.add_argument("--blocks", type=_blocks, help="the same blocks for every configuration of torchattn and "
+                                                       "JAX's kernels (default: each generation's defaults; the "
+                                                       "peers, Tokamax and splash_sdpa, run their own)")
     parser.add_argument("--head-dim", type=int, nargs="+", choices=HEAD_DIMS, default=HEAD_DIMS,
                         help="only these head dims of the v5e/v6e grid")
     parser.add_argument("--seq-len", type=int, nargs="+", choices=SEQ_LENS, default=SEQ_LENS,

@@ -3,14 +3,15 @@
     TORCH_DEVICE_BACKEND_AUTOLOAD=0 .venv-current/bin/python scripts/schedule_vs_ironwood.py
     # -> docs/bench/schedule-vs-ironwood.csv
 
-Tokamax publishes measured forward times of its splash attention on Ironwood (its splash_attention
-folder's microbenchmarks.pdf, November 2025: batch 1, 32 query over 8 kv heads, bfloat16, causal, each
-row's kernel parameters "exhaustively tuned", the blocks not given). The same kernel, Tokamax 0.0.12's
-own splash forward (torchattn.aot.tokamax_kernels), is compiled for v7x with libtpu 0.0.52 at each of
-BLOCKS, a part of the space Tokamax's tuner searches (block_q and block_kv of 1024 or more at these
-lengths, block_kv_compute at most 1024), and the best estimate (torchattn.aot.schedule.measure: a
-compiler estimate, never a TPU timing) is set beside the measured time. ratio = estimate / measured:
-above 1, the estimate is slower than the chip.
+Two measurements of Tokamax's splash attention on Ironwood, batch 1, 32 query over 8 kv heads, bfloat16,
+causal: the forward times its splash_attention folder publishes (microbenchmarks.pdf, November 2025, each
+row's kernel parameters "exhaustively tuned", the blocks not given: ``measured_ms``), and the times Tokamax
+0.0.17 commits beside the configuration it picks for that call (its autotuning data for TPU7x, forward and
+backward: ``committed_ms``, the median of its timings). The same kernel, Tokamax 0.0.17's splash at that
+committed configuration (torchattn.aot.tokamax_kernels: the forward without residuals, as both measured it;
+the backward, its fused kernel and the XLA sum of its dq partials), is compiled for v7x with libtpu 0.0.52 and
+its estimate (torchattn.aot.schedule.measure: a compiler estimate, never a TPU timing) set beside them. ratio =
+estimate / measured: above 1, the estimate is slower than the chip.
 """
 
 from __future__ import annotations
@@ -25,33 +26,34 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (head_dim, tokens) -> the forward's measured milliseconds, from the PDF's forward table (QK = V = head_dim).
 MEASURED_MS = {(128, 4096): 0.58, (128, 8192): 1.93, (128, 32768): 24.75,
                (256, 4096): 0.67, (256, 8192): 2.14, (256, 32768): 26.93}
-# (block_q, block_kv, block_kv_compute, experimental scheduler)
-BLOCKS = ((1024, 1024, 1024, False), (1024, 2048, 512, False), (1024, 2048, 512, True), (2048, 2048, 512, True),
-          (2048, 4096, 512, True), (1024, 4096, 512, True))
-FIELDS = ("head_dim", "tokens", "measured_ms", "estimate_ms", "ratio", "block_q", "block_kv", "block_kv_compute",
-          "experimental_scheduler", "fraction_of_peak", "bound_unit", "step_bundles", "configs_tried")
+PARTS = ("forward", "backward")
+FIELDS = ("part", "head_dim", "tokens", "measured_ms", "committed_ms", "estimate_ms", "ratio", "ratio_committed",
+          "config", "fraction_of_peak", "bound_unit", "step_bundles")
 
 
-def best_estimate(head_dim: int, tokens: int) -> tuple:
-    """(the fastest estimate's Estimate, its blocks, how many configs compiled) over BLOCKS."""
+def estimate_row(part: str, head_dim: int, tokens: int) -> dict:
+    """One CSV row: ``part`` of the call at Tokamax's committed configuration, estimated and measured."""
     from torchattn.aot import Attention, schedule, tokamax_kernels
-    from torchattn.block_sizes import BlockSizes
 
     attention = Attention(batch=1, q_heads=32, kv_heads=8, q_len=tokens, kv_len=tokens, head_dim=head_dim,
                           causal=True)
-    found = []
-    for block_q, block_kv, compute, experimental in BLOCKS:
-        if max(block_q, block_kv) > tokens:
-            continue
-        kernel = tokamax_kernels.forward_kernel(attention, "v7x", BlockSizes(block_q, block_kv, 1024, 1024),
-                                                block_kv_compute=compute, residuals=False,
-                                                experimental_scheduler=experimental)
-        (estimate,) = schedule.measure([kernel], "v7x")
-        found.append((estimate.seconds, estimate, (block_q, block_kv, compute, experimental)))
-        print(f"  d={head_dim} {tokens} tokens blocks {block_q}/{block_kv}/{compute} "
-              f"{'experimental ' if experimental else ''}scheduler: {estimate.seconds * 1e3:.3f} ms", flush=True)
-    _, estimate, blocks = min(found, key=lambda item: item[0])
-    return estimate, blocks, len(found)
+    if part == "forward":
+        config, source = tokamax_kernels.forward_config(attention, "v7x", residuals=False)
+        kernels = [tokamax_kernels.forward_kernel(attention, "v7x", config, residuals=False)]
+    else:
+        config, source = tokamax_kernels.backward_config(attention, "v7x")
+        kernels = tokamax_kernels.backward_kernels(attention, "v7x", config)
+    estimates = schedule.measure(kernels, "v7x")
+    estimate_ms = sum(e.seconds for e in estimates) * 1e3
+    committed = tokamax_kernels.committed_ms(attention, "v7x", part)
+    measured = MEASURED_MS[(head_dim, tokens)] if part == "forward" else None
+    main = estimates[0]  # the attention kernel (the backward's dq sum after it is an XLA op)
+    return dict(part=part, head_dim=head_dim, tokens=tokens, measured_ms=measured, committed_ms=committed,
+                estimate_ms=round(estimate_ms, 4), ratio=None if measured is None else round(estimate_ms / measured, 3),
+                ratio_committed=None if committed is None else round(estimate_ms / committed, 3),
+                config=tokamax_kernels.config_text(config, source),
+                fraction_of_peak=round(main.fraction_of_peak, 4), bound_unit=main.bound_unit,
+                step_bundles=main.step_bundles)
 
 
 def main(argv=None) -> int:
@@ -65,16 +67,13 @@ def main(argv=None) -> int:
 
     schedule.enable_dump()
     rows = []
-    for (head_dim, tokens), measured in MEASURED_MS.items():
-        estimate, blocks, tried = best_estimate(head_dim, tokens)
-        rows.append(dict(head_dim=head_dim, tokens=tokens, measured_ms=measured,
-                         estimate_ms=round(estimate.seconds * 1e3, 4),
-                         ratio=round(estimate.seconds * 1e3 / measured, 3), block_q=blocks[0], block_kv=blocks[1],
-                         block_kv_compute=blocks[2], experimental_scheduler=blocks[3],
-                         fraction_of_peak=round(estimate.fraction_of_peak, 4), bound_unit=estimate.bound_unit,
-                         step_bundles=estimate.step_bundles, configs_tried=tried))
-        print(f"d={head_dim} {tokens} tokens: estimate {rows[-1]['estimate_ms']} ms, measured {measured} ms, "
-              f"ratio {rows[-1]['ratio']}", flush=True)
+    for part in PARTS:
+        for head_dim, tokens in MEASURED_MS:
+            rows.append(estimate_row(part, head_dim, tokens))
+            row = rows[-1]
+            print(f"{part} d={head_dim} {tokens} tokens at {row['config']}: estimate {row['estimate_ms']} ms, "
+                  f"published {row['measured_ms']} ms (ratio {row['ratio']}), committed {row['committed_ms']} ms "
+                  f"(ratio {row['ratio_committed']})", flush=True)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=FIELDS, lineterminator="\n")
     writer.writeheader()

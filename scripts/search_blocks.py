@@ -22,18 +22,24 @@ on the same representative calls: docs/bench/blocks-<gen>-compute.csv, the chose
 
 ``--implementation splash splash-fused`` runs the same search for JAX's splash attention (its split and
 its fused backward) at head_dim 128, so that each kernel can be compared at its own best blocks
-(docs/performance.md); ``tokamax`` (.venv-current) Tokamax's splash, its compute block torchattn's.
+(docs/performance.md); ``tokamax`` (.venv-current) Tokamax 0.0.17's splash, its own configuration
+(torchattn/aot/tokamax_kernels.py) at each pair, its forward's compute block torchattn's, its backward's the
+whole key block.
 
 ``--best-forward`` compares the forwards alone, each at its own best: torchattn, JAX's splash and Tokamax's
 splash at every pair of SIZES and, torchattn and Tokamax, every compute block (COMPUTE_SIZES smaller than the
-key block, and the whole block), at head_dim 128 and 256: docs/bench/blocks-<gen>-best-forward.csv, and per call
-each kernel's fastest and torchattn's ÷ the best other's.
+key block, and the whole block), at head_dim 128 and 256; Tokamax also at its own configuration (its committed
+autotuning entry for the call, else its heuristics), and its others (scheduler, layouts) kept at each pair, with
+its QK and SV diagonal skip on square blocks of causal calls at the grids its tuner tries (the ``config``
+column): docs/bench/blocks-<gen>-best-forward.csv, and per call each kernel's fastest and torchattn's ÷ the best
+other's.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import itertools
 import math
@@ -46,14 +52,17 @@ COMPUTE_SIZES = (128, 256, 512)  # and None, the whole key block
 SEQ_LEN = 8192
 TIE = 0.01
 HEAD_GROUPS = {"narrow": (64, 128), "wide": (256,)}  # generations.Generation.blocks and .blocks_wide_heads
-PARTS = {"forward": ("forward",), "backward": ("backward_fused", "dq_reduction", "backward_dq", "backward_dkv")}
+PARTS = {"forward": ("forward",),
+         "backward": ("backward_fused", "dq_reduction", "dkv_reduction", "backward_dq", "backward_dkv")}
 IMPLEMENTATIONS = ("torchattn", "splash", "splash-fused", "tokamax")
 BEST_FORWARD = ("torchattn", "splash", "tokamax")  # --best-forward: the forwards compared at their own best blocks
 FIELDS = ("generation", "implementation", "heads_group", "head_dim", "causal", "part", "block_q", "block_kv",
-          "block_kv_compute", "fits_every_feature", "status", "seconds", "step_bundles")
+          "block_kv_compute", "config", "fits_every_feature", "status", "seconds", "step_bundles")
 
 
-def kernels(implementation: str, attention, generation: str, blocks, part: str) -> list:
+def kernels(implementation: str, attention, generation: str, blocks, part: str, tokamax_config=None) -> list:
+    """``part``'s kernels (and the other part's) at ``blocks``; Tokamax's at ``tokamax_config`` if given, else at
+    its own configuration with ``blocks``."""
     from torchattn.aot import jax_kernels, schedule
 
     if implementation == "torchattn":
@@ -62,10 +71,21 @@ def kernels(implementation: str, attention, generation: str, blocks, part: str) 
         from torchattn.aot import tokamax_kernels
 
         if part == "forward":
-            return [tokamax_kernels.forward_kernel(attention, generation, blocks,
-                                                   block_kv_compute=blocks.block_kv_compute)]
-        return tokamax_kernels.backward_kernels(attention, generation, blocks)
+            config = tokamax_config or tokamax_kernels.with_blocks(
+                tokamax_kernels.forward_config(attention, generation)[0], attention, blocks.block_q, blocks.block_kv,
+                blocks.block_kv_compute)
+            return [tokamax_kernels.forward_kernel(attention, generation, config)]
+        return tokamax_kernels.backward_kernels(attention, generation, tokamax_kernels.with_blocks(
+            tokamax_kernels.backward_config(attention, generation)[0], attention, blocks.block_q_bwd,
+            blocks.block_kv_bwd))
     return jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=implementation == "splash-fused")
+
+
+def representative(head_dim: int, causal: bool):
+    """A representative call: SEQ_LEN tokens, 32 query heads over 8 kv heads, batch 1, bfloat16."""
+    from torchattn.aot import Attention
+
+    return Attention(batch=1, q_heads=32, kv_heads=8, q_len=SEQ_LEN, kv_len=SEQ_LEN, head_dim=head_dim, causal=causal)
 
 
 def fits_every_feature(generation: str, head_dim: int, part: str, pair: tuple[int, int]) -> bool:
@@ -82,26 +102,32 @@ def fits_every_feature(generation: str, head_dim: int, part: str, pair: tuple[in
 
 
 def measure_part(implementation: str, generation: str, head_dim: int, causal: bool, part: str,
-                 pair: tuple[int, int], compute: int | None | str = "default") -> dict:
+                 pair: tuple[int, int], compute: int | None | str = "default", tokamax=None) -> dict:
     """One CSV row: ``part``'s estimated seconds at ``pair``, the other part at the generation's default;
-    the forward's compute block ``compute`` (None: the whole key block), by default the generation's."""
+    the forward's compute block ``compute`` (None: the whole key block), by default the generation's.
+    ``tokamax``: (a Tokamax forward Config at these blocks, where it came from) to run."""
     from torchattn import generations
-    from torchattn.aot import Attention, schedule
+    from torchattn.aot import schedule
     from torchattn.block_sizes import BlockSizes
 
-    attention = Attention(batch=1, q_heads=32, kv_heads=8, q_len=SEQ_LEN, kv_len=SEQ_LEN, head_dim=head_dim,
-                          causal=causal)
+    attention = representative(head_dim, causal)
     default = attention.default_block_sizes(generation)
+    config_text = ""
+    if tokamax is not None:
+        from torchattn.aot import tokamax_kernels
+
+        config_text = tokamax_kernels.config_text(*tokamax)
     if compute == "default":  # the generation's, whatever block_kv is tried
         compute = generations.get(generation).kv_compute(head_dim)
     blocks = (BlockSizes(*pair, default.block_q_bwd, default.block_kv_bwd, compute) if part == "forward"
               else BlockSizes(default.block_q, default.block_kv, *pair, compute))
     row = {"generation": generation, "implementation": implementation, "head_dim": head_dim, "causal": causal,
            "part": part, "block_q": pair[0], "block_kv": pair[1], "block_kv_compute": blocks.block_kv_compute,
-           "fits_every_feature": (fits_every_feature(generation, head_dim, part, pair)
-                                  if implementation == "torchattn" else None)}
+           "config": config_text, "fits_every_feature": (fits_every_feature(generation, head_dim, part, pair)
+                                                         if implementation == "torchattn" else None)}
     try:
-        chosen = [k for k in kernels(implementation, attention, generation, blocks, part) if k.name in PARTS[part]]
+        chosen = [k for k in kernels(implementation, attention, generation, blocks, part, tokamax and tokamax[0])
+                  if k.name in PARTS[part]]
         estimates = schedule.measure(chosen, generation)
     except (RuntimeError, ValueError) as error:  # the VMEM refusal, compile errors
         return {**row, "status": f"refused: {str(error).splitlines()[0]}"}
@@ -142,19 +168,44 @@ def search_compute(generation: str) -> list[dict]:
 def search_best_forward(generation: str, sizes=SIZES) -> list[dict]:
     """BEST_FORWARD's forwards at every pair of ``sizes`` and, those with one, every compute block smaller than the
     key block (and the whole block), on the representative calls at head_dim 128 and 256 (heads_group "d128",
-    "d256"): each kernel's own best blocks, as a kernel tuned for the call would run."""
+    "d256"), Tokamax's also as :func:`tokamax_forward_configs` gives them: each kernel's own best blocks, as a
+    kernel tuned for the call would run."""
     rows = []
-    for implementation, head_dim, causal, pair in itertools.product(BEST_FORWARD, (128, 256), (False, True),
-                                                                    itertools.product(sizes, sizes)):
-        computes = [None]  # JAX's splash has no compute block
-        if implementation != "splash":
-            computes += [size for size in COMPUTE_SIZES if size < pair[1]]
-        for compute in computes:
-            row = {**measure_part(implementation, generation, head_dim, causal, "forward", pair, compute),
-                   "heads_group": f"d{head_dim}"}
-            rows.append(row)
-            print(",".join(str(row.get(field, "")) for field in FIELDS), flush=True)
+    for implementation, head_dim, causal in itertools.product(BEST_FORWARD, (128, 256), (False, True)):
+        if implementation == "tokamax":
+            measured = (measure_part(implementation, generation, head_dim, causal, "forward",
+                                     (config.block_q, config.block_kv), config.block_kv_compute,
+                                     tokamax=(config, source))
+                        for config, source in tokamax_forward_configs(generation, head_dim, causal, sizes))
+        else:
+            computes = [None] if implementation == "splash" else [None, *COMPUTE_SIZES]  # splash has none
+            measured = (measure_part(implementation, generation, head_dim, causal, "forward", pair, compute)
+                        for pair in itertools.product(sizes, sizes) for compute in computes
+                        if compute is None or compute < pair[1])
+        for row in measured:  # each printed as it is measured
+            rows.append({**row, "heads_group": f"d{head_dim}"})
+            print(",".join(str(rows[-1].get(field, "")) for field in FIELDS), flush=True)
     return rows
+
+
+def tokamax_forward_configs(generation: str, head_dim: int, causal: bool, sizes=SIZES) -> list[tuple]:
+    """(Tokamax forward Config, where it came from) to try on a representative call: its own (its committed entry,
+    else its heuristics), then that one at every pair of ``sizes`` and every compute block (COMPUTE_SIZES smaller
+    than the key block, and the whole block), and on square blocks of a causal call with its QK and SV diagonal
+    skip at the grids its tuner tries (2, and 4 for blocks of 1024 or more)."""
+    from torchattn.aot import tokamax_kernels
+
+    attention = representative(head_dim, causal)
+    own, source = tokamax_kernels.forward_config(attention, generation)
+    found = [(own, source)]
+    for pair in itertools.product(sizes, sizes):
+        for compute in [None] + [size for size in COMPUTE_SIZES if size < pair[1]]:
+            config = tokamax_kernels.with_blocks(own, attention, *pair, compute)
+            found += [(config, "searched")] * (config != own)
+            if causal and pair[0] == pair[1] and compute is None:
+                found += [(dataclasses.replace(config, qk_diag_skip=True, sv_diag_skip=True, qk_diag_grid=grid),
+                           "searched") for grid in ((2, 4) if pair[0] >= 1024 else (2,))]
+    return found
 
 
 def best_forward_summary(generation: str, rows: list[dict]) -> str:
@@ -168,7 +219,9 @@ def best_forward_summary(generation: str, rows: list[dict]) -> str:
     for head_dim, causal in itertools.product((128, 256), (False, True)):
         found = {name: best[(head_dim, causal, name)] for name in BEST_FORWARD if (head_dim, causal, name) in best}
         each = "; ".join(f"{name} {r['seconds'] * 1e6:.0f} µs at ({r['block_q']}, {r['block_kv']}, "
-                         f"compute {r['block_kv_compute'] or 'whole'})" for name, r in found.items())
+                         f"compute {r['block_kv_compute'] or 'whole'})" + (f" [{r['config']}]" if r.get("config")
+                                                                           else "")
+                         for name, r in found.items())
         others = [r["seconds"] for name, r in found.items() if name != "torchattn"]
         ratio = (f"{found['torchattn']['seconds'] / min(others):.3f}x the best other's best"
                  if "torchattn" in found and others else "not comparable")

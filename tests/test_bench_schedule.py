@@ -46,8 +46,10 @@ def test_quick_grid_runs_end_to_end(tmp_path):
             continue
         assert row["status"] == "ok", (row["implementation"], row["status"])
         parts = [float(row[f"{kernel}_s"]) for kernel in ("backward_dq", "backward_dkv", "backward_fused",
-                                                          "dq_reduction") if row[f"{kernel}_s"]]
-        assert len(parts) == 2 and float(row["backward_s"]) == pytest.approx(sum(parts), rel=1e-3)
+                                                          "dq_reduction", "dkv_reduction") if row[f"{kernel}_s"]]
+        # Tokamax with grouped heads pruned to a dynamic grid on two kv blocks also sums dk and dv in XLA.
+        assert len(parts) == (3 if row["dkv_reduction_s"] else 2), row["implementation"]
+        assert float(row["backward_s"]) == pytest.approx(sum(parts), rel=1e-3)
         assert float(row["fwd_bwd_s"]) == pytest.approx(float(row["forward_s"]) + float(row["backward_s"]),
                                                         rel=1e-3)
     for config in ("False", "True"):
@@ -68,3 +70,22 @@ def _fwd_bwd_step_bundles(row) -> int:
     """Bundles of one grid step of each of the row's kernels (the XLA dq reduction has no grid steps)."""
     kernels = ("forward", "backward_dq", "backward_dkv", "backward_fused")
     return sum(int(row[f"{kernel}_step_bundles"]) for kernel in kernels if row[f"{kernel}_step_bundles"])
+
+
+def test_splash_sdpa_runs_grouped_kv_heads_as_one_per_query_head():
+    """torch.tpu.ops.splash_sdpa repeats grouped kv heads to one per query head (repeat_interleave) before JAX's
+    splash: its kernels take k and v with q's head count, at its own blocks (512, clamped to the length)."""
+    from torchattn.aot import Attention
+
+    attention = Attention(batch=1, q_heads=32, kv_heads=8, q_len=2048, kv_len=2048, head_dim=128, causal=True)
+    kernels, own = _bench_schedule()._splash_sdpa_kernels(attention, "v5e")
+    assert [kernel.structs[1].shape[1] for kernel in kernels[:2]] == [32, 32]  # k of the forward and the backward
+    assert (own["block_q"], own["block_kv_bwd"]) == (512, 512)
+
+
+def _bench_schedule():
+    spec = importlib.util.spec_from_file_location("bench_schedule", os.path.join(ROOT, "scripts", "bench_schedule.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("bench_schedule", module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -3,13 +3,17 @@ with libtpu's compile-only client for v5e, and what it says of its grid agrees w
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
 from torchattn.block_sizes import BlockSizes
 
-pytest.importorskip("jax")
+jax = pytest.importorskip("jax")
 pytest.importorskip("libtpu")
 
 from torchattn.aot import Attention, compile_jax, jax_kernels  # noqa: E402
@@ -24,8 +28,8 @@ BUILDERS = {
 }
 
 
-def _attention(causal: bool, **features) -> Attention:
-    return Attention(BATCH, HEADS, HEADS, LENGTH, LENGTH, HEAD_DIM, causal=causal, **features)
+def _attention(causal: bool, length: int = LENGTH, **features) -> Attention:
+    return Attention(BATCH, HEADS, HEADS, length, length, HEAD_DIM, causal=causal, **features)
 
 
 def _causal_tiles() -> int:
@@ -62,12 +66,22 @@ def test_kernels_compile_and_count_their_grid(implementation, causal):
 @pytest.mark.parametrize("implementation", ["splash", "flash"])
 def test_skipped_tiles_fetch_nothing_in_forward_and_dq(implementation):
     """A causal forward or dq grid skips a tile by fetching the kv block it already has: fewer bytes than the
-    full grid. (Their dk/dv kernels fetch q block 0 at the skipped steps: no fewer.)"""
-    full, causal = ({k.name: k for k in BUILDERS[implementation](_attention(c))} for c in (False, True))
+    full grid. (Their dk/dv kernels fetch q block 0 at the skipped steps: no fewer.) 2048 tokens, 4 x 4 tiles: at
+    2 x 2 the one skipped tile saves no more than splash's causal mask spends on its query positions."""
+    full, causal = ({k.name: k for k in BUILDERS[implementation](_attention(c, length=2048))} for c in (False, True))
     for name in ("forward", "backward_dq"):
         dense, banded = full[name], causal[name]
         assert banded.visible_steps < math.prod(banded.grid)
         assert banded.dma_bytes_per_step * banded.visible_steps < dense.dma_bytes_per_step * dense.visible_steps
+
+
+@pytest.mark.skipif(jax.__version_info__ < (0, 12), reason="JAX 0.7.1's splash keeps its accumulators as outputs")
+def test_splash_moves_its_blocks_and_no_accumulator():
+    """JAX 0.12's splash keeps its m, l and o accumulators in VMEM scratch: a full-mask forward of one tile per head
+    moves q, k, v and writes out and the lse, once per head, and nothing else."""
+    forward = BUILDERS["splash"](Attention(1, HEADS, HEADS, 512, 512, HEAD_DIM))[0]
+    per_head = 4 * 512 * HEAD_DIM * 2 + 512 * 128 * 4  # q, k, v, out in bfloat16; the lse in float32 over 128 lanes
+    assert forward.dma_bytes_per_step * forward.visible_steps == HEADS * per_head
 
 
 def test_splash_window_shrinks_its_grid():
@@ -105,3 +119,34 @@ def test_splash_refuses_query_rows_that_see_nothing():
     attention = Attention(1, 2, 2, 2048, 1024, 128, causal=True)
     with pytest.raises(ValueError, match=r"^splash_attention: query rows that see no key"):
         jax_kernels.splash_kernels(attention, "v5e", BLOCKS, fused_backward=True)
+
+
+# In a fresh process: libtpu reads the schedule dump flag when it loads, and this one may have loaded it already.
+_GROUPED = """
+import json
+from torchattn.aot import schedule, jax_kernels, Attention
+from torchattn.block_sizes import BlockSizes
+schedule.enable_dump()
+out = {}
+for kv_heads in (1, 2, 4):
+    attention = Attention(batch=1, q_heads=4, kv_heads=kv_heads, q_len=2048, kv_len=2048, head_dim=128, causal=True)
+    kernels = jax_kernels.splash_kernels(attention, "v5e", BlockSizes(512, 512, 512, 512), fused_backward=True)
+    (estimate,) = schedule.measure([k for k in kernels if k.name == "backward_fused"], "v5e")
+    out[kv_heads] = (estimate.step_bundles, estimate.once_per_row_bundles)
+print(json.dumps(out))
+"""
+
+
+def test_grouped_kv_heads_start_and_write_dk_dv_once_per_row():
+    """With grouped kv heads (MQA, GQA) splash's dk/dv kernel starts and writes a kv block's dk and dv once per
+    group of query heads, on predicates the schedule does not read as once per row: a grid step is MHA's tile work,
+    and the init and write are once-per-row work."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _GROUPED], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PJRT_DEVICE": "CPU"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    mha_step, _ = measured["4"]
+    for kv_heads in ("1", "2"):
+        step, once = measured[kv_heads]
+        assert step <= 1.02 * mha_step and once > 0, (kv_heads, measured)

@@ -1,4 +1,5 @@
-"""JAX 0.7.1's own TPU attention kernels for an :class:`Attention` shape, as :class:`schedule.Kernel`s.
+"""JAX's own TPU attention kernels (0.7.1 on torch_xla's stack, 0.12 on TorchTPU's) for an :class:`Attention` shape,
+as :class:`schedule.Kernel`s.
 
 Splash attention (``jax.experimental.pallas.ops.tpu.splash_attention``) and the
 older ``flash_attention`` (same package), built for the same shape and
@@ -6,7 +7,10 @@ older ``flash_attention`` (same package), built for the same shape and
 compare tile for tile. Each :class:`Kernel` is one ``pallas_call`` (or one XLA op:
 splash's fused backward leaves a reduction of per-kv-block dq partials to XLA),
 so its schedule is read alone. Only the forward is public in either factory; the
-backward kernels are their private per-kernel functions (jax is pinned to 0.7.1).
+backward kernels are their private per-kernel functions (each stack pins its jax). The
+two versions' kernels differ, for what is counted here, only in where splash keeps its
+accumulators: outputs in 0.7.1 (a block moved once per batch element), VMEM scratch in
+0.12.
 
 What each Kernel states, counted on the host from the kernel's own rules:
 
@@ -44,6 +48,7 @@ from .schedule import Kernel
 SPLASH = "splash_attention"
 FLASH = "flash_attention"
 _F32 = 4  # bytes: lse, di, m/l, scratch, segment ids (int32)
+_ITEMSIZE = {"bfloat16": 2, "float32": 4}
 
 
 def splash_kernels(attention: Attention, generation: str, blocks: BlockSizes, *,
@@ -97,7 +102,7 @@ class _Shape:
     def of(cls, attention: Attention, blocks: BlockSizes) -> "_Shape":
         return cls(attention.batch, attention.q_heads, attention.kv_heads, attention.q_heads // attention.kv_heads,
                    attention.q_len, attention.kv_len, attention.head_dim, attention.dtype,
-                   {"bfloat16": 2, "float32": 4}[attention.dtype], blocks)
+                   _ITEMSIZE[attention.dtype], blocks)
 
     def struct(self, *dims, dtype=None):
         import jax
@@ -275,11 +280,30 @@ def _splash_forward(attention: Attention, shape: _Shape, splash: _Splash) -> Ker
               (shape.block(b.block_kv, d), fetched), (shape.block(b.block_kv, d), fetched),  # k, v
               *_splash_q_blocks(attention, b.block_q, info, lambda n, h, i, j: i),
               *_splash_kv_segments(attention, SUBLANES, b.block_kv, lambda n, h, i, j: (n, info.next(h, i, j))),
-              # outputs: the m, l and o accumulators (outputs, not scratch, in splash), out, lse
-              (2 * shape.block(b.block_q, LANES, _F32) + shape.block(b.block_q, d, _F32), lambda n, h, i, j: (n,)),
+              *_accumulators(2 * shape.block(b.block_q, LANES, _F32) + shape.block(b.block_q, d, _F32)),  # m, l, o
+              # outputs: out, lse
               (shape.block(b.block_q, d) + shape.block(b.block_q, LANES, _F32), lambda n, h, i, j: (n, h, i))]
     return _kernel("forward", jax.vmap(forward), splash_structs(attention, shape), grid, info.visible_steps(shape),
                    shape.batch * shape.heads * grid[2], blocks, shape.flops(attention, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def _accumulators_in_hbm() -> bool:
+    """Whether this JAX's splash keeps its accumulators (the forward's m, l and o, dq's, dk's and dv's) as outputs
+    (JAX 0.7.1) rather than in VMEM scratch (JAX 0.12), as its forward kernel's parameters say: outputs come before
+    scratch."""
+    import inspect
+
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+
+    names = list(inspect.signature(splash.flash_attention_kernel).parameters)
+    return names.index("m_scratch_ref") < names.index("o_ref")
+
+
+def _accumulators(nbytes: int) -> list:
+    """Splash's accumulator blocks where they are outputs: their index map is constant, so they move once per batch
+    element (the vmapped axis); in VMEM scratch they move nothing."""
+    return [(nbytes, lambda n, *_: (n,))] if _accumulators_in_hbm() else []
 
 
 def _splash_q_blocks(attention, rows_or_cols, info: _Info, q_block_of, transposed=False):
@@ -328,7 +352,7 @@ def _splash_dq(attention: Attention, shape: _Shape, splash: _Splash) -> Kernel:
               *_splash_q_blocks(attention, b.block_q_bwd, info, lambda n, h, i, j: i),
               *_splash_kv_segments(attention, SUBLANES, b.block_kv_bwd, lambda n, h, i, j: (n, info.next(h, i, j))),
               (2 * b.block_q_bwd * _F32 + shape.block(b.block_q_bwd, d), per_q_block),  # lse, di (1, bq); do
-              (shape.block(b.block_q_bwd, d, _F32), lambda n, h, i, j: (n,)),  # the dq accumulator, an output
+              *_accumulators(shape.block(b.block_q_bwd, d, _F32)),  # dq's
               (shape.block(b.block_q_bwd, d), per_q_block)]  # dq
     structs = splash_structs(attention, shape) + splash_residual_structs(shape)
     return _kernel("backward_dq", jax.vmap(dq), structs, grid, info.visible_steps(shape),
@@ -363,29 +387,37 @@ def _splash_backward_dkv(attention: Attention, shape: _Shape, splash: _Splash, f
               *_splash_q_blocks(attention, b.block_q_bwd, info, lambda n, kv, h, i: info.next(h, i, kv), True),
               *_splash_kv_segments(attention, b.block_kv_bwd, LANES, lambda n, kv, h, i: (n, kv)),
               (2 * SUBLANES * b.block_q_bwd * _F32 + shape.block(b.block_q_bwd, d), fetched_q),  # lse, di; do
-              (2 * shape.block(b.block_kv_bwd, d, _F32), lambda n, kv, h, i: (n,)),  # dk, dv accumulators
+              *_accumulators(2 * shape.block(b.block_kv_bwd, d, _F32)),  # dk's, dv's
               (2 * shape.block(b.block_kv_bwd, d), per_kv_block)]  # dk, dv
     if fused:
         blocks.append((shape.block(b.block_q_bwd, d), lambda n, kv, h, i: (n, kv, h, i)))  # the dq partials
     # The accumulators start when a kv block meets its kv head's first query head: once per kv block and kv head.
     rows = shape.batch * grid[1] * shape.kv_heads
     structs = splash_structs(attention, shape) + splash_residual_structs(shape)
-    return _kernel("backward_fused" if fused else "backward_dkv", jax.vmap(dkv), structs, grid,
-                   info.visible_steps(shape), rows, blocks, shape.flops(attention, 5 if fused else 4))
+    kernel = _kernel("backward_fused" if fused else "backward_dkv", jax.vmap(dkv), structs, grid,
+                     info.visible_steps(shape), rows, blocks, shape.flops(attention, 5 if fused else 4))
+    if shape.groups == 1:
+        return kernel
+    # Init, the tile's work, the write: with grouped heads, init and write are predicated on the query head's place in
+    # its group too, which the schedule does not read as once per row.
+    return dataclasses.replace(kernel, row_regions=(0, 2))
 
 
-def dq_reduction(shape: _Shape, partials: int | None = None) -> Kernel:
-    """The XLA sum of a fused backward's dq partials, (partials, heads, q_len, head_dim) per batch element, in
-    q's dtype as splash sums them: one per kv block unless ``partials`` (Tokamax's three)."""
+def dq_reduction(shape: _Shape, partials: int | None = None, dtype: str | None = None) -> Kernel:
+    """The XLA sum of a fused backward's dq partials, (partials, heads, q_len, head_dim) per batch element, into dq
+    in q's dtype: one partial per kv block unless ``partials`` (Tokamax's three), each in ``dtype`` (default q's, as
+    splash keeps them)."""
     partials = partials or shape.kv_len // shape.blocks.block_kv_bwd
-    struct = shape.struct(shape.batch, partials, shape.heads, shape.q_len, shape.head_dim)
-    dq_bytes = shape.batch * shape.heads * shape.q_len * shape.head_dim * shape.itemsize
-    return Kernel(name="dq_reduction", fn=_sum_kv_blocks, structs=(struct,), grid=(),
-                  visible_steps=1, rows=1, dma_bytes_per_step=(partials + 1) * dq_bytes, useful_flops=0.0)
+    dtype = dtype or shape.dtype
+    struct = shape.struct(shape.batch, partials, shape.heads, shape.q_len, shape.head_dim, dtype=dtype)
+    elements = shape.batch * shape.heads * shape.q_len * shape.head_dim
+    return Kernel(name="dq_reduction", fn=functools.partial(_sum_kv_blocks, dtype=shape.dtype), structs=(struct,),
+                  grid=(), visible_steps=1, rows=1,
+                  dma_bytes_per_step=elements * (partials * _ITEMSIZE[dtype] + shape.itemsize), useful_flops=0.0)
 
 
-def _sum_kv_blocks(partials):
-    return partials.sum(axis=1)
+def _sum_kv_blocks(partials, dtype):
+    return partials.sum(axis=1).astype(dtype)
 
 
 # flash_attention

@@ -51,6 +51,9 @@ class Kernel:
     # Of those outermost every-step regions, the ones that run once per row of tiles though the schedule cannot
     # tell (their predicate is a flag the kernel reads, not a grid index: Tokamax's init and write): indices.
     row_regions: tuple[int, ...] = ()
+    # Grid steps, beside path_steps', that take none of the paths but run the rest of the step (a tile the mask
+    # hides in a grid that still visits it: Tokamax's static backward grid, which writes its zero dq partial there).
+    idle_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +64,8 @@ class Estimate:
     generation: str
     body_bundles: int  # the loop body: one grid step with every predicated region taken
     step_bundles: int  # the part a visible grid step runs (with alternative paths: its mean over the steps)
-    path_bundles: tuple[int, ...]  # with alternative paths (Kernel.path_steps): the bundles a step on each runs
+    # with alternative paths (Kernel.path_steps): the bundles a step on each runs (then an idle step's, if any)
+    path_bundles: tuple[int, ...]
     once_per_row_bundles: int  # the part that runs once per row of tiles (init, finalize)
     mxu_bundles: int  # every-step bundles that issue to an MXU
     unit_slots: dict[str, int]  # every-step slots used per unit
@@ -179,12 +183,12 @@ def _parts(kernel: Kernel, schedule: schedule_dump.Schedule) -> tuple[list[int],
 
 def _declared_regions(kernel: Kernel, schedule: schedule_dump.Schedule, with_once: bool = False) -> list:
     """The schedule's path regions (``with_once``: counting those it reads as once per row), or, where the kernel
-    declares more paths and row regions than they are and one of them holds regions of its own, that one's: a
-    guard around the paths with every-step work beside it (Tokamax's fused backward at some blocks), which stays
-    every-step work."""
+    declares more paths and row regions than they are and one of them holds as many regions as it declares, that
+    one's: a guard around the paths with every-step work beside it (Tokamax's fused backward at some blocks, its
+    forward with a sequence-minor k), which stays every-step work."""
     regions = schedule.path_regions(with_once)
     declared = len(kernel.path_steps) + len(kernel.row_regions)
-    parents = [region for region in regions if schedule.children(region, with_once)]
+    parents = [region for region in regions if len(schedule.children(region, with_once)) == declared]
     if kernel.path_steps and len(regions) < declared and len(parents) == 1:
         return schedule.children(parents[0], with_once)
     return regions
@@ -193,7 +197,8 @@ def _declared_regions(kernel: Kernel, schedule: schedule_dump.Schedule, with_onc
 def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int],
            regions: list) -> list[tuple[int, list[int]]]:
     """(steps, the bundles each runs) of each alternative path of ``kernel`` (its ``regions``): the every-step
-    work outside the paths plus the path's region; without ``path_steps``, all of it on every visible step."""
+    work outside the paths plus the path's region, and for its idle steps that work alone; without
+    ``path_steps``, all of it on every visible step."""
     if not kernel.path_steps:
         return [(kernel.visible_steps, step)]
     if len(regions) != len(kernel.path_steps):
@@ -201,8 +206,9 @@ def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int],
                          f"schedule has {len(regions)} ({schedule.path})")
     inside = {i for region in regions for i in range(region.first, region.last + 1)}
     common = [i for i in step if i not in inside]
-    return [(steps, common + list(range(region.first, region.last + 1)))
-            for steps, region in zip(kernel.path_steps, regions)]
+    return ([(steps, common + list(range(region.first, region.last + 1)))
+             for steps, region in zip(kernel.path_steps, regions)]
+            + [(kernel.idle_steps, common)] * bool(kernel.idle_steps))
 
 
 def torchattn_kernels(attention, generation: str, block_sizes=None, backward: str = "auto") -> list[Kernel]:

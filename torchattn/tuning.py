@@ -40,7 +40,8 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "a
 
     Args:
         backend: as for flash_attention; it must resolve to a backend with block sizes
-            ("pallas", "interpret" or "xla"), so the tensors must be on an XLA device.
+            ("pallas", "xla", "interpret" or "simulated"): tensors on a TPU (torch_xla's or
+            TorchTPU's) or another XLA device, or CPU tensors through JAX ("interpret", "simulated").
         candidates: the ``BlockSizes`` to time (each clamped to the lengths). Default: a
             search over :data:`torchattn.block_sizes.CANDIDATE_SIZES` (128 to 2048) clamped
             to the lengths, on a TPU only blocks whose kernels fit the generation's VMEM
@@ -105,13 +106,17 @@ def _step(q, k, v, features, backend) -> Callable[[BlockSizes], None]:
 
 
 def _wait(device: torch.device) -> None:
-    """Runs the pending lazy graph and waits for the device: a timed step includes its execution."""
+    """Waits until the device has run the step, so a timed step is its execution, not its dispatch: torch_xla runs
+    the pending lazy graph and waits for it; an accelerator such as TorchTPU's tpu device is synchronised; CPU
+    tensors ran already."""
     if device.type == "xla":
         import torch_xla
         import torch_xla.core.xla_model as xm
 
         torch_xla.sync()
         xm.wait_device_ops()
+    elif device.type != "cpu":
+        torch.accelerator.synchronize(device)
 
 
 def _median_seconds(run: Callable[[], None], calls: int) -> float:

@@ -1,4 +1,5 @@
-"""Pallas TPU kernels (forward, backward dq, backward dk/dv) and their torch_xla plumbing.
+"""Pallas TPU kernels by role (forward, fused backward, backward dq, backward dk/dv), the launch spec they are built
+from, and how they run (:data:`MODES`); the runtimes launch them (jax_bridge, torchtpu).
 
 Importing this package imports no JAX; the kernel modules do, when a kernel runs.
 """

@@ -12,8 +12,8 @@ train/ reads its names here, ``runtime.sync()``, whichever it is. What train/ as
   index and the count), ``refusal(config)`` (a flag it does not serve, or None);
 - the device: ``device()``, ``device_type()``, ``sync()`` (run what was queued or traced so far), ``rng_state(device)``
   and ``set_rng_state(state, device)``, ``compile_count()`` and ``memory_info(device)`` (for train/guards.py),
-  ``start_profile(folder)`` and ``stop_profile()`` (--profile), ``recompute(run, *args)`` (activation
-  checkpointing, train/recompute.py);
+  ``start_profile(folder)`` and ``stop_profile()`` (--profile), and torch_xla's ``recompute(run, *args)``
+  (activation checkpointing of XLA tensors; train/recompute.py checkpoints others with torch.utils.checkpoint);
 - a mesh (--mesh): ``spmd(mesh, balanced)``, the process's ``Spmd``: the model and optimizer state sharded on
   it, batches split over it, torchattn's kernels per device, the loss over every process's tokens;
 - state: ``model_state(model, optimizer)`` and ``load_model_state(model, optimizer, state)`` (the checkpoint's

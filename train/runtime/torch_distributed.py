@@ -199,11 +199,6 @@ def compile_backend() -> str:
     return COMPILE_BACKENDS[device_type()]
 
 
-def recompute(run, *args):
-    """``run(*args)`` under torch's activation checkpointing (train/recompute.py calls it only for XLA tensors)."""
-    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
-
-
 # ------------------------------------------------------------------
 # State: the model and optimizer by their parameters' names (torch.distributed.checkpoint's state dicts), so a
 # sharded checkpoint reads into the run's own sharded tensors

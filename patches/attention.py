@@ -14,7 +14,7 @@ from .options import dropout_seed, options_for
 
 # The keywords transformers passes (beyond the signature's), each known here: an allow-list, so a keyword a new
 # transformers or family adds is named in a warning, never dropped without a word (:func:`_check_keywords`).
-# Passed on to flash_attention as the feature named (torchattn/features.py).
+# Passed on to flash_attention as the feature named (torchattn/call/features.py).
 PASSED_ON = {"scaling": "scale", "softcap": "softcap"}
 # Read here: causality, packing (torchattn/patches/masks.py) and output_attentions (None weights, warned).
 TAKEN = frozenset({"is_causal", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "output_attentions"})

@@ -13,7 +13,8 @@ import dataclasses
 
 import torch
 
-from torchattn import context, device_mesh, once, sharding
+from torchattn.spmd import context, device_mesh, sharding
+from torchattn import once
 
 
 def padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0, mask_function=None,

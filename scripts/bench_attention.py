@@ -21,7 +21,7 @@ Implementations: torchattn's ``xla``, ``interpret`` (slow: Pallas interpret mode
 --interpret-max tokens) and, on a TPU, ``pallas``, torch_xla's own flash attention and JAX's
 splash attention (run in JAX itself, in a process that never loads torch_xla); SDPA and eager
 (dense softmax) on the same XLA device; SDPA on plain CPU torch. On a TPU each device row also
-gets ``tflops_per_s`` (torchattn.roofline.useful_flops of the causal call, forward + backward,
+gets ``tflops_per_s`` (torchattn.tuning.roofline.useful_flops of the causal call, forward + backward,
 over the median time) and ``utilisation`` (that over the chip's peak bf16 FLOP/s).
 """
 
@@ -148,7 +148,7 @@ def _torch_step(implementation: str, dtype_name: str, length: int):
         return step, None, None
     import torch_xla.core.xla_model as xm
 
-    from torchattn import devices
+    from torchattn.tpu import devices
 
     if xm.xla_device_hw(device) != "TPU":
         return step, None, None
@@ -163,7 +163,7 @@ def _splash_step(dtype_name: str, length: int):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as mask_lib
 
-    from torchattn import generations
+    from torchattn.tpu import generations
 
     device = jax.devices()[0]
     if device.platform != "tpu":
@@ -214,7 +214,8 @@ def measure(implementation: str, dtype_name: str, length: int, calls: int, warmu
     row = {"status": "ok", "median_s": median, "calls": calls, "peak_extra_mb": (rss.peak - baseline) / 2**20,
            "device_peak_mb": None if device_peak is None else device_peak / 2**20}
     if generation is not None:
-        from torchattn import generations, roofline
+        from torchattn.tpu import generations
+        from torchattn.tuning import roofline
 
         flops_per_s = roofline.useful_flops(BATCH, HEADS, length, length, HEAD_DIM, causal=True) / median
         peak = generations.get(generation).peak_bf16_flops

@@ -142,7 +142,7 @@ def _splash_sdpa_kernels(attention, generation: str) -> tuple[list, dict]:
     (repeat_interleave; that copy and its gradient's sum are XLA ops outside the kernels, not counted), so its
     kernels are MHA's."""
     from torchattn.aot import jax_kernels
-    from torchattn.block_sizes import BlockSizes
+    from torchattn.kernels.block_sizes import BlockSizes
 
     if attention.segments or attention.softcap is not None:
         raise ValueError("splash_sdpa takes no segment ids or softcap")
@@ -290,7 +290,7 @@ def _positive(text: str) -> int:
 
 def _blocks(text: str):
     """--blocks: one size for all four, or BQ,BKV,BQ_BWD,BKV_BWD."""
-    from torchattn.block_sizes import BlockSizes
+    from torchattn.kernels.block_sizes import BlockSizes
 
     sizes = text.split(",")
     if len(sizes) not in (1, 4) or not all(size.isdecimal() for size in sizes):
@@ -358,7 +358,7 @@ def main(argv=None) -> int:
                                           "docs/bench/current on TorchTPU's)")
     args = parser.parse_args(argv)
     args.implementations = ("torchattn", *args.implementations)
-    from torchattn import generations
+    from torchattn.tpu import generations
 
     if args.out_dir is None:
         from torchattn import _versions

@@ -7,7 +7,7 @@
 #
 # 1. TORCHATTN_EXTRAS=xla,dev bash scripts/env.sh: the xla extra (torch_xla, and libtpu: the TPU runtime of torch_xla
 #    and jax).
-# 2. The TPU generation from the device kind (torchattn.devices.tpu_generation), unless --generation or
+# 2. The TPU generation from the device kind (torchattn.tpu.devices.tpu_generation), unless --generation or
 #    --out.
 # 3. PJRT_DEVICE=TPU .venv/bin/python scripts/bench_attention.py --implementations torchattn-pallas
 #    torch_xla-flash jax-splash --out docs/bench/attention-tpu-GENERATION (or --out PATH) [flags]: flags

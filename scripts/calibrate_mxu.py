@@ -8,7 +8,7 @@ The estimate takes the bundle rate at which the densest matmul-only kernel (most
 the chip's published peak: then no kernel whose matmuls pack no denser reads above the peak. This script
 compiles ``torchattn.aot.schedule.matmul_kernel(m, k, n, 4)`` (a bf16 (m, k) x (k, n) per grid step,
 float32 out) over the grid below and writes each shape's bundles per step and MACs per bundle; the densest
-shape of each generation and its MACs per bundle are what torchattn/generations.py records
+shape of each generation and its MACs per bundle are what torchattn/tpu/generations.py records
 (``mxu_probe_shape``, ``mxu_macs_per_bundle``; its ``clock_hz`` follows from them). Shapes whose blocks do
 not fit Mosaic's default scoped VMEM are written as such.
 """
@@ -55,7 +55,7 @@ def measure(generation: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sys.path.insert(0, ROOT)
-    from torchattn import generations as table
+    from torchattn.tpu import generations as table
 
     parser.add_argument("--generation", action="append", choices=sorted(table.GENERATIONS),
                         help="repeatable; default every generation this environment's libtpu compiles for")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows in results:
             writer.writerows(rows)
     os.replace(tmp, args.out)
-    print("compiler estimates: MACs per bundle of the densest matmul-only kernel (torchattn/generations.py)")
+    print("compiler estimates: MACs per bundle of the densest matmul-only kernel (torchattn/tpu/generations.py)")
     for rows in results:
         best = next(row for row in rows if row.get("densest"))
         print(f"{best['generation']}: {best['m']}x{best['k']}x{best['n']} {best['macs_per_bundle']:,} MACs per bundle "

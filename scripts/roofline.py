@@ -6,7 +6,7 @@
 Batch 1, 8 query and 8 key/value heads, bfloat16 (--batch, --heads, --kv-heads), each generation's
 default blocks (``BlockSizes.default``). Work is the kernels' own count (torchattn/kernels/cost.py,
 the estimate XLA gets), times are ``max(FLOPs / peak, bytes / HBM bandwidth)`` per kernel, summed
-over the forward, dq and dk/dv kernels: see torchattn/roofline.py. Nothing runs on a device.
+over the forward, dq and dk/dv kernels: see torchattn/tuning/roofline.py. Nothing runs on a device.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import argparse
 import csv
 import dataclasses
 
-from torchattn import generations, roofline
+from torchattn.tpu import generations
+from torchattn.tuning import roofline
 from torchattn.aot import Attention
-from torchattn.block_sizes import MULTIPLES, BlockSizes
+from torchattn.kernels.block_sizes import MULTIPLES, BlockSizes
 from torchattn.kernels import vmem
-from torchattn.tiling import LANES, round_up
+from torchattn.tpu.tiling import LANES, round_up
 
 FIELDS = ("generation", "length", "head_dim", "causal", "computed_head_dim", "blocks", "part", "gflop", "mbytes",
           "flop_per_byte", "compute_us", "memory_us", "roofline_us", "bound", "useful_gflop", "utilisation")

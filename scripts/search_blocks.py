@@ -1,4 +1,4 @@
-"""The default blocks of torchattn.generations, chosen from the TPU compiler's schedule.
+"""The default blocks of torchattn.tpu.generations, chosen from the TPU compiler's schedule.
 
     .venv/bin/python scripts/search_blocks.py                      # every generation: docs/bench/blocks-<gen>.csv
     .venv/bin/python scripts/search_blocks.py --generation v5e --out-dir /tmp/blocks
@@ -90,7 +90,7 @@ def representative(head_dim: int, causal: bool):
 
 def fits_every_feature(generation: str, head_dim: int, part: str, pair: tuple[int, int]) -> bool:
     """Whether ``part``'s kernels at ``pair`` fit the generation's VMEM with every feature, in float32."""
-    from torchattn import generations
+    from torchattn.tpu import generations
     from torchattn.aot import Attention
     from torchattn.kernels import vmem
 
@@ -106,9 +106,9 @@ def measure_part(implementation: str, generation: str, head_dim: int, causal: bo
     """One CSV row: ``part``'s estimated seconds at ``pair``, the other part at the generation's default;
     the forward's compute block ``compute`` (None: the whole key block), by default the generation's.
     ``tokamax``: (a Tokamax forward Config at these blocks, where it came from) to run."""
-    from torchattn import generations
+    from torchattn.tpu import generations
     from torchattn.aot import schedule
-    from torchattn.block_sizes import BlockSizes
+    from torchattn.kernels.block_sizes import BlockSizes
 
     attention = representative(head_dim, causal)
     default = attention.default_block_sizes(generation)
@@ -151,7 +151,7 @@ def search(implementation: str, generation: str, sizes=SIZES) -> list[dict]:
 def search_compute(generation: str) -> list[dict]:
     """The forward at each group's default blocks, per compute block (COMPUTE_SIZES no larger than block_kv, and
     the whole block)."""
-    from torchattn import generations
+    from torchattn.tpu import generations
 
     chip, rows = generations.get(generation), []
     for group, head_dims in HEAD_GROUPS.items():
@@ -277,7 +277,7 @@ def chosen(means: dict) -> tuple[int, int]:
 
 
 def summary(generation: str, rows: list[dict]) -> str:
-    from torchattn import generations
+    from torchattn.tpu import generations
 
     chip = generations.get(generation)
     lines = []
@@ -312,7 +312,7 @@ def _cell(value):
 
 def main(argv=None) -> int:
     sys.path.insert(0, ROOT)
-    from torchattn import generations
+    from torchattn.tpu import generations
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,5 +1,5 @@
 """Attention written from the formulas in ``torchattn.flash_attention``'s docstring alone, one
-query-key pair at a time: the ground truth for mask conventions, independent of torchattn.masks
+query-key pair at a time: the ground truth for mask conventions, independent of torchattn.semantics.masks
 (and of everything else in torchattn). Slow by design; for small shapes only.
 
 Documented conventions it encodes:

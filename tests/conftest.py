@@ -158,12 +158,13 @@ def docs_csv(tmp_path_factory):
 
 @pytest.fixture
 def fake_tpu(monkeypatch):
-    """torchattn sees a TPU v5e: its device reads (torchattn.devices) answer "TPU" and "TPU v5 lite".
+    """torchattn sees a TPU v5e: its device reads (torchattn.tpu.devices) answer "TPU" and "TPU v5 lite".
 
     Tensors stay on XLA:CPU, so the ``pallas`` backend's graph can be built and read, never run.
     Fallback warnings are reset so each test sees its own.
     """
-    from torchattn import devices, once
+    from torchattn.tpu import devices
+    from torchattn import once
 
     monkeypatch.setattr(once, "_shown", set())
     with devices.seen_as_tpu("v5e"):

@@ -35,7 +35,7 @@ import transformers as T
 
 import patches  # registers "torchattn"
 import torchattn
-import torchattn.autograd
+import torchattn.backends.autograd
 from torchattn import once
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -90,16 +90,16 @@ def masked_lm_loss(outputs, labels, num_items_in_batch=None):
 
 
 def kernel_q_shapes() -> list:
-    """Wraps torchattn.autograd.apply (the autograd Function on one device's tensors, under SPMD);
+    """Wraps torchattn.backends.autograd.apply (the autograd Function on one device's tensors, under SPMD);
     returns the list collecting each call's q shape."""
     shapes = []
-    original = torchattn.autograd.apply
+    original = torchattn.backends.autograd.apply
 
     def spy(backend, tensors, options):
         shapes.append(list(tensors.q.shape))
         return original(backend, tensors, options)
 
-    torchattn.autograd.apply = spy
+    torchattn.backends.autograd.apply = spy
     return shapes
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from torchattn import kernel_calls
-from torchattn.block_sizes import BlockSizes
+from torchattn.backends import kernel_calls
+from torchattn.kernels.block_sizes import BlockSizes
 from torchattn.kernels import COMPILED
-from torchattn.request import Options, Tensors
+from torchattn.call.request import Options, Tensors
 
 FEATURES = {
     "plain": dict(),

@@ -73,7 +73,8 @@ def case_of(values: dict) -> Case:
 def tpu_generations() -> list[str]:
     """The generations this environment's compile sweeps cover: in .venv every one its libtpu compiles for; in
     .venv-current only those no other stack's libtpu compiles for (v7x): the others are swept in .venv."""
-    from torchattn import _versions, generations
+    from torchattn import _versions
+    from torchattn.tpu import generations
 
     here = generations.compile_targets()
     if _versions.installed_stack() == "xla":

@@ -30,8 +30,8 @@ import torch
 
 import torchattn
 from torchattn.backends import BACKENDS
-from torchattn.reference import attention_reference
-from torchattn.types import accumulation_dtype
+from torchattn.backends.reference import attention_reference
+from torchattn.semantics.types import accumulation_dtype
 
 # backend -> dtype -> quantity -> max error seen; printed at the end of the run.
 MAX_ERRORS: dict = defaultdict(lambda: defaultdict(dict))

@@ -24,9 +24,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from torchattn import generations  # noqa: E402
+from torchattn.tpu import generations  # noqa: E402
 from torchattn.aot import Attention  # noqa: E402
-from torchattn.block_sizes import BlockSizes  # noqa: E402
+from torchattn.kernels.block_sizes import BlockSizes  # noqa: E402
 
 GENERATION = "v5e"
 

@@ -29,7 +29,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 
 import torchattn
-from torchattn import devices
+from torchattn.tpu import devices
 
 BATCH, Q_HEADS, KV_HEADS, SEQ, HEAD_DIM = 4, 8, 4, 128, 32  # GQA 8:4
 MESHES = ((4, 1), (2, 2), (1, 4))

@@ -30,7 +30,7 @@ import torch_xla.runtime as xr
 
 import torchattn
 from spmd_attention import new_programs, refusals
-from torchattn import devices
+from torchattn.tpu import devices
 
 BATCH, Q_HEADS, KV_HEADS, SEQ, HEAD_DIM = 2, 4, 2, 128, 32  # GQA 4:2
 # (mesh shape, axis names) per device count: context=4 and data=2 x context=2 on 4 devices; heads and

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from torchattn import generations
+from torchattn.tpu import generations
 from torchattn.aot.__main__ import main, parse_args
-from torchattn.block_sizes import BlockSizes
+from torchattn.kernels.block_sizes import BlockSizes
 
 pytest.importorskip("libtpu", reason="compiling for TPU needs the libtpu wheel (dev extra)")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from torchattn import generations
+from torchattn.tpu import generations
 from torchattn.aot import schedule, schedule_dump
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from brute_force import sees
-from torchattn import masks
+from torchattn.semantics import masks
 from torchattn.kernels.block_geometry import BlockGeometry
 
 LENGTHS = (1, 7, 16, 33)  # q_len != kv_len both ways, non-multiples of every block, shorter than a block

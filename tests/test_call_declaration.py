@@ -7,13 +7,14 @@ import torch
 
 import dataclasses
 
-from torchattn import api, backends, features
+from torchattn import api, backends
+from torchattn.call import features
 from torchattn.aot import Attention
 from torchattn.aot.flags import FLAGS
-from torchattn.backend import Backend, blockwise
-from torchattn.block_sizes import BlockSizes
+from torchattn.backends.backend import Backend, blockwise
+from torchattn.kernels.block_sizes import BlockSizes
 from torchattn.kernels import arguments
-from torchattn.request import Options, Request, Tensors
+from torchattn.call.request import Options, Request, Tensors
 
 
 def _schema_tensors(op) -> list[str]:
@@ -32,7 +33,7 @@ def _fields(cls) -> list[tuple[str, str]]:
 
 
 def test_the_written_out_fields_are_the_features_own_in_their_order():
-    """Options, Tensors and Request are written out for their readers; these hold them to torchattn/features.py."""
+    """Options, Tensors and Request are written out for their readers; these hold them to torchattn/call/features.py."""
     assert _fields(Options) == [*((f.name, f.type) for f in features.fields(features.Kind.OPTION)),
                                 ("block_sizes", "BlockSizes"), ("generation", "str | None"),
                                 ("sequence_shard", "tuple[int | None, int | None] | None")]

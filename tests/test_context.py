@@ -1,4 +1,4 @@
-"""torchattn.context on the host: the dual-chunk order, the per-device row offsets the kernels mask by,
+"""torchattn.spmd.context on the host: the dual-chunk order, the per-device row offsets the kernels mask by,
 and the refusals of a split that does not exist."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import context
+from torchattn.spmd import context
 
 
 def test_row_offsets_are_each_devices_two_halves_counted_by_hand():

@@ -24,7 +24,7 @@ import math
 import pytest
 
 from brute_force import sees
-from torchattn.block_sizes import BlockSizes
+from torchattn.kernels.block_sizes import BlockSizes
 
 pytest.importorskip("jax")
 pytest.importorskip("libtpu")

@@ -1,7 +1,7 @@
 """Dropout: statistics of the counter-based keep mask, and the reference backend's use of it.
 
 Forward/backward mask agreement inside the blockwise backends is tested with the
-kernels; here: :func:`torchattn.dropout.dropout_mask` and the ``reference`` backend.
+kernels; here: :func:`torchattn.semantics.dropout.dropout_mask` and the ``reference`` backend.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn.dropout import dropout_mask
+from torchattn.semantics.dropout import dropout_mask
 
 # 4 * 4 * 256 * 256 = 2**20 elements per mask.
 BIG = dict(batch=4, q_heads=4, q_len=256, kv_len=256)
@@ -134,7 +134,7 @@ def test_seed_as_int_or_one_element_tensor():
     for seed in (torch.tensor(77), torch.tensor([77]), torch.tensor([[77]], dtype=torch.int32),
                  torch.tensor(77, dtype=torch.int16)):
         assert torch.equal(run(seed), expected), f"seed {seed!r}"
-    # Seeds >= 2**32 use their low 32 bits (documented in torchattn.dropout.dropout_mask).
+    # Seeds >= 2**32 use their low 32 bits (documented in torchattn.semantics.dropout.dropout_mask).
     assert torch.equal(run(2**32 + 77), expected)
     assert torch.equal(run(torch.tensor(2**33 + 77)), expected)
 

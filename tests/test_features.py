@@ -1,4 +1,4 @@
-"""Backends serve only the call features they declare (torchattn/features.py): a feature added to the
+"""Backends serve only the call features they declare (torchattn/call/features.py): a feature added to the
 declaration is refused by every backend, by name, until one declares it; everything a call's features set
 follows from the declaration."""
 
@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import api, backends, features
+from torchattn import api, backends
+from torchattn.call import features
 from torchattn.api import validated
-from torchattn.backend import Backend
+from torchattn.backends.backend import Backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,16 +100,16 @@ def test_flash_attention_passes_every_declared_argument_on(monkeypatch):
 
 
 # A static option added the way a developer adds one (in a copy of the package): its Feature appended to
-# torchattn/features.py and its Options field in torchattn/request.py; for python -m torchattn.aot, its Flag and
-# its Attention field. No other file is edited; the call then runs through everything derived from the declaration.
+# torchattn/call/features.py and its Options field in torchattn/call/request.py; for python -m torchattn.aot, its Flag
+# and its Attention field. No other file is edited; the call then runs through everything derived from the declaration.
 NEW_OPTION = {
-    "features.py": ("", """
+    "call/features.py": ("", """
 FEATURES.append(Feature(
     name="sharpness", arguments=(("sharpness", 1.0),), check=lambda call, x: (positive_float("sharpness", x, 1.0),),
     fields=(option("sharpness", "float"),), used=lambda r: r.options.sharpness != 1.0,
     tuned=lambda r: r.options.sharpness))
 """),
-    "request.py": ("    # Every call's.\n    block_sizes", "    sharpness: float\n"),
+    "call/request.py": ("    # Every call's.\n    block_sizes", "    sharpness: float\n"),
     "aot/flags.py": ("", """
 FLAGS += (Flag(feature="sharpness", name="sharpness", field="sharpness", default=1.0,
                arguments=lambda x, a: dict(sharpness=x), parse=float),)
@@ -118,7 +119,8 @@ FLAGS += (Flag(feature="sharpness", name="sharpness", field="sharpness", default
 CALLS = """
 import dataclasses, json, torch
 import torchattn
-from torchattn import api, backends, tune_cache
+from torchattn import api, backends
+from torchattn.call import tune_cache
 from torchattn.aot import Attention
 from torchattn.aot.__main__ import parse_args
 assert torchattn.__file__.startswith(%r), torchattn.__file__
@@ -176,12 +178,12 @@ def test_a_static_option_declared_in_its_places_is_validated_carried_keyed_and_r
 # A second per-(q, kv) pair input, declared the same way (its Feature, its Tensors field): the backends' math reads
 # such inputs by their role (each a term added to the logits, with its own gradient), so it needs no change there.
 NEW_PAIR_INPUT = {
-    "features.py": ("", """
+    "call/features.py": ("", """
 FEATURES.append(Feature(
     name="bias2", arguments=(("bias2", None),), check=pair_tensor_check("bias2"),
     fields=(tensor("bias2", PAIRS, heads=True, grad=True),), used=lambda r: r.inputs.bias2 is not None))
 """),
-    "request.py": ("    # The per-device tables.", "    bias2: torch.Tensor | None = None\n"),
+    "call/request.py": ("    # The per-device tables.", "    bias2: torch.Tensor | None = None\n"),
 }
 PAIR_CALLS = """
 import dataclasses, json, torch, torch_xla

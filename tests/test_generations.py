@@ -11,10 +11,11 @@ import torch
 
 import matrix
 import torchattn
-from torchattn import _versions, devices, generations, internals, once
+from torchattn import _versions, internals, once
+from torchattn.tpu import devices, generations
 from torchattn.api import validated
-from torchattn.block_sizes import BlockSizes
-from torchattn.generations import GiB
+from torchattn.kernels.block_sizes import BlockSizes
+from torchattn.tpu.generations import GiB
 
 LANES = 128
 

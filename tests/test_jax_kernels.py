@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from torchattn.block_sizes import BlockSizes
+from torchattn.kernels.block_sizes import BlockSizes
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("libtpu")
@@ -125,7 +125,7 @@ def test_splash_refuses_query_rows_that_see_nothing():
 _GROUPED = """
 import json
 from torchattn.aot import schedule, jax_kernels, Attention
-from torchattn.block_sizes import BlockSizes
+from torchattn.kernels.block_sizes import BlockSizes
 schedule.enable_dump()
 out = {}
 for kv_heads in (1, 2, 4):

@@ -10,7 +10,7 @@ import torchattn
 from matrix import drawn_cases, pairwise_cases
 from numerics import Case, check_backend, sync
 from torchattn.aot import Attention
-from torchattn.block_sizes import BlockSizes
+from torchattn.kernels.block_sizes import BlockSizes
 
 pytest.importorskip("jax")
 from torchattn.kernels import backward, common  # noqa: E402 (imports jax)
@@ -267,7 +267,7 @@ def test_fully_masked_rows_give_zero_output_and_gradient(kernel_device):
     assert out.cpu()[:, :, 4:].abs().sum() > 0
 
 
-# On CPU tensors the same kernels run through JAX (torchattn/jax_bridge.py, DLPack): in .venv-current that is
+# On CPU tensors the same kernels run through JAX (torchattn/runtimes/__init__.py, DLPack): in .venv-current that is
 # every test above (kernel_device); here, under torch_xla, these cases, every feature in float32 and bfloat16.
 CPU_CASES = [Case(q_heads=8, kv_heads=2, q_len=129, kv_len=200, causal=True, window=(64, None), segments="packed",
                   softcap=20.0, bias="full", dropout_p=0.1),

@@ -35,8 +35,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
-from torchattn import api, context, kernel_calls  # noqa: E402
-from torchattn.reference import attention_reference  # noqa: E402
+from torchattn import api  # noqa: E402
+from torchattn.backends import kernel_calls  # noqa: E402
+from torchattn.spmd import context  # noqa: E402
+from torchattn.backends.reference import attention_reference  # noqa: E402
 
 BACKEND = "simulated"
 CPU = torch.device("cpu")
@@ -84,8 +86,8 @@ def test_matches_reference_forward_and_backward_without_a_race(case, taken, bloc
 @pytest.mark.parametrize("balanced", [False, True])
 def test_a_sequence_shards_rows_see_their_global_positions(balanced):
     """One call cut along the sequence into 2 shards, each run alone as a device runs it (its query rows, the keys
-    whole, its row offsets prefetched: torchattn/spmd.py), against the float64 reference's rows: causal, a window,
-    packed documents crossing the cut, a bias with its gradient, dropout at global positions. The shards' dk, dv
+    whole, its row offsets prefetched: torchattn/spmd/per_device.py), against the float64 reference's rows: causal, a
+    window, packed documents crossing the cut, a bias with its gradient, dropout at global positions. The shards' dk, dv
     add up to the call's. A shard's backward is the split one (kernels/backward.fused: the fused kernel's dq
     partial slots would depend on the offsets, which are data)."""
     g = torch.Generator().manual_seed(3)

@@ -1,5 +1,5 @@
 """Mask conventions against tests/brute_force.py, a definition written from the docstring alone
-(no torchattn.masks): non-square windows, causal with q_len > kv_len, segment ids, and softcap
+(no torchattn.semantics.masks): non-square windows, causal with q_len > kv_len, segment ids, and softcap
 before bias. Forward and every gradient, on the reference, xla (float64) and interpret (float32)
 backends."""
 

@@ -2,7 +2,7 @@
 attn_implementation="torchattn" runs torchattn's kernels per device, with no torchattn code in the script.
 
 The Trainer sets the global mesh ("fsdp", "tensor") = (4, 1) and shards each batch over "fsdp";
-torchattn reads that mesh (torchattn/spmd.py). tests/fsdpv2_probe.py trains a tiny random Llama
+torchattn reads that mesh (torchattn/spmd/per_device.py). tests/fsdpv2_probe.py trains a tiny random Llama
 (causal LM) and BERT (masked LM), one layer each, for 3 steps, with torchattn and with sdpa, in its own process
 (SPMD is process-wide), and writes the losses, the q shape each kernel call took, and the all-gathers of
 the partitioned programs XLA compiled.

@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import train_tiny
-from torchattn import generations
+from torchattn.tpu import generations
 from train.__main__ import main
 from train.predict.documents import share
 

@@ -1,4 +1,4 @@
-"""Hand-computed cases for :func:`torchattn.reference.attention_reference`.
+"""Hand-computed cases for :func:`torchattn.backends.reference.attention_reference`.
 
 Expected values come from math.exp / math.tanh or from visibility patterns read
 off one-hot values, not from the code under test. Masks are probed with q = 0
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torchattn.reference import attention_reference
+from torchattn.backends.reference import attention_reference
 
 f64 = dict(dtype=torch.float64)
 

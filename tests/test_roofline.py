@@ -1,4 +1,4 @@
-"""torchattn.roofline: useful FLOPs against brute-force counts."""
+"""torchattn.tuning.roofline: useful FLOPs against brute-force counts."""
 
 import csv
 import importlib.util
@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from brute_force import sees
-from torchattn import generations, roofline
-from torchattn.block_sizes import BlockSizes
+from torchattn.tpu import generations
+from torchattn.tuning import roofline
+from torchattn.kernels.block_sizes import BlockSizes
 
 
 def _brute_force_pairs(q_len, kv_len, causal, window):

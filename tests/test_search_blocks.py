@@ -84,9 +84,9 @@ def test_a_compute_block_is_chosen_only_when_more_than_the_tie_faster():
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e", "v7x"])
 def test_the_default_compute_blocks_are_the_recorded_search_s_choice(generation):
-    """torchattn.generations' block_kv_compute per heads group is what docs/bench/blocks-<gen>-compute.csv chose
+    """torchattn.tpu.generations' block_kv_compute per heads group is what docs/bench/blocks-<gen>-compute.csv chose
     (None where the whole key block was)."""
-    from torchattn import generations
+    from torchattn.tpu import generations
 
     with open(os.path.join(ROOT, "docs", "bench", f"blocks-{generation}-compute.csv")) as f:
         choices = search_blocks.compute_choices(list(csv.DictReader(f)))

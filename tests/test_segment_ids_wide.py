@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import internals, jax_bridge
+from torchattn import internals, runtimes
 
 torch_xla = pytest.importorskip("torch_xla")
 
@@ -69,7 +69,7 @@ def test_pallas_kernels_receive_ids_that_keep_documents_apart(cross, device, fak
         received.extend(args)
         raise Captured
 
-    monkeypatch.setattr(jax_bridge, "call", capture)
+    monkeypatch.setattr(runtimes, "call", capture)
     # The body must see the real tensors, not the placeholders it is traced on once per shape.
     monkeypatch.setattr(internals, "traced_once", lambda name, fn, key, *args: internals.functionalized(fn, *args))
     q, k, v, ids = _inputs(cross, torch.float32)
@@ -108,7 +108,7 @@ def test_no_device_to_host_transfer(device):
     (torch.uint8, [0, 255, 5, 128, 5, 0]),
 ], ids=str)
 def test_every_integer_dtype_keeps_equal_and_different_ids(dtype, values):
-    from torchattn.segments import to_int32
+    from torchattn.call.segments import to_int32
 
     kv_values = values[::-1] + values[:2]
     q_ids, kv_ids = torch.tensor([values], dtype=dtype), torch.tensor([kv_values], dtype=dtype)

@@ -1,4 +1,4 @@
-"""torchattn under torch_xla SPMD on 4 virtual CPU devices (torchattn/spmd.py).
+"""torchattn under torch_xla SPMD on 4 virtual CPU devices (torchattn/spmd/per_device.py).
 
 SPMD is a process-wide mode, so tests/spmd_attention.py runs every sharded call once in
 its own process (PJRT_DEVICE=CPU CPU_NUM_DEVICES=4) and writes what it saw; the tests
@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import torchattn
-from torchattn.dropout import keys
+from torchattn.semantics.dropout import keys
 
 pytest.importorskip("torch_xla")
 

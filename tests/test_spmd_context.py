@@ -1,4 +1,4 @@
-"""Sequence-sharded (context-parallel) torchattn on 4 and 8 virtual CPU devices (torchattn/spmd.py).
+"""Sequence-sharded (context-parallel) torchattn on 4 and 8 virtual CPU devices (torchattn/spmd/per_device.py).
 
 tests/spmd_context.py runs every call in its own process (SPMD is process-wide): context=4 and
 data=2 x context=2 on 4 devices, data=2 x model=2 x context=2 on 8; each case in the natural and the

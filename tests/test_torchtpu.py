@@ -1,4 +1,4 @@
-"""The TorchTPU runtime (torchattn/torchtpu.py): the kernels as ops of ``torch.tpu.pallas.jax_op``.
+"""The TorchTPU runtime (torchattn/runtimes/torchtpu.py): the kernels as ops of ``torch.tpu.pallas.jax_op``.
 
 Without a TPU (no "tpu" device exists here), everything short of running them: the ops' registration, their
 spec argument, the shapes every feature gets on meta tensors (TorchTPU's fakes export each kernel for TPU
@@ -23,7 +23,11 @@ import jax  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
 import torchattn  # noqa: E402
-from torchattn import api, backends, devices, kernel_calls, spmd, torchtpu  # noqa: E402
+from torchattn import api, backends  # noqa: E402
+from torchattn.backends import kernel_calls  # noqa: E402
+from torchattn.tpu import devices  # noqa: E402
+from torchattn.spmd import per_device  # noqa: E402
+from torchattn.runtimes import torchtpu  # noqa: E402
 from torchattn.aot import compiler  # noqa: E402
 from torchattn.kernels import COMPILED, ROLES, kernel_function  # noqa: E402
 from matrix import pairwise_cases  # noqa: E402
@@ -67,7 +71,7 @@ def _meta_request(case: str, generation: str | None = "v6e"):
 def _op_tensors(request):
     """The tensors and options the custom ops' bodies get for ``request`` (one device's: there is one)."""
     seen = []
-    spmd.run(request, lambda tensors, options: seen.append((tensors, options)) or (None, None), per_device=True)
+    per_device.run(request, lambda tensors, options: seen.append((tensors, options)) or (None, None), per_device=True)
     return seen[0]
 
 

@@ -26,8 +26,9 @@ import torch
 import matrix
 from matrix import pairwise_cases
 from numerics import Case
-from torchattn import generations, internals
-from torchattn.block_sizes import BlockSizes
+from torchattn.tpu import generations
+from torchattn import internals
+from torchattn.kernels.block_sizes import BlockSizes
 
 jax = pytest.importorskip("jax")
 pytest.importorskip("libtpu")
@@ -264,7 +265,8 @@ def test_the_other_environment_compiles_stablehlo_as_this_one(tmp_path, monkeypa
     _, _, text = _stablehlo_step()
     there = other_stack.compile_stablehlo(text, generation, "there", sys.executable)
     here = compile_stablehlo(text, generation, "here")
-    assert (there.flops, there.temp_bytes, there.argument_bytes) == (here.flops, here.temp_bytes, here.argument_bytes)
+    figures = (here.flops, here.temp_bytes, here.argument_bytes)
+    assert (there["flops"], there["temp_bytes"], there["argument_bytes"]) == figures
     with pytest.raises(RuntimeError, match="no-such-generation|generation"):
         other_stack.compile_stablehlo(text, "no-such-generation", "bad", sys.executable)
 

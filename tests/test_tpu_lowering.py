@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from lowering_matrix import LOWERING_MATRIX, spec as _spec
-from torchattn import kernel_calls
-from torchattn.block_sizes import BlockSizes
-from torchattn.dropout import keys
-from torchattn.request import Options, Tensors
+from torchattn.backends import kernel_calls
+from torchattn.kernels.block_sizes import BlockSizes
+from torchattn.semantics.dropout import keys
+from torchattn.call.request import Options, Tensors
 
 jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")

@@ -310,7 +310,8 @@ def programs(dump: str, stage: str) -> list[str]:
     return [open(path).read() for path in sorted(glob.glob(os.path.join(dump, f"*SyncTensorsGraph*{stage}.txt")))]
 
 
-# A manual-sharding region's input (torchattn.spmd's _ToLocal) and an all-gather, with the array type they make.
+# A manual-sharding region's input (torchattn.spmd.per_device's _ToLocal) and an all-gather, with the array type
+# they make.
 MANUAL_INPUT = re.compile(r"= (\w+)\[([\d,]*)\]\S* custom-call\([^)]*\), custom_call_target=\"SPMDFullToShardShape\"")
 ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\]\S* all-gather(?:-start)?\(")
 

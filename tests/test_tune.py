@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import api, autograd, tune_cache
-from torchattn.block_sizes import candidate_pairs
+from torchattn import api
+from torchattn.backends import autograd
+from torchattn.call import tune_cache
+from torchattn.kernels.block_sizes import candidate_pairs
 
 torch_xla = pytest.importorskip("torch_xla")
 

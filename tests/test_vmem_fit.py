@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import torchattn
-from torchattn import generations
-from torchattn.block_sizes import BlockSizes
+from torchattn.tpu import generations
+from torchattn.kernels.block_sizes import BlockSizes
 from torchattn.kernels import arguments, vmem
-from torchattn.roles import PAIRS
+from torchattn.semantics.roles import PAIRS
 
 jax = pytest.importorskip("jax")
 torch_xla = pytest.importorskip("torch_xla")

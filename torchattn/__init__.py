@@ -4,19 +4,19 @@ from . import _versions
 
 _versions.check_versions()  # before importing torch: a mismatched torch/torch_xla pair fails here, clearly
 
-from . import torchtpu  # noqa: E402
+from .runtimes import torchtpu  # noqa: E402
 
 torchtpu.skip_metadata_server_without_tpu()  # before any backward: libtpu's 10-minute wait on a machine without TPU
 
 from . import counters  # noqa: E402
 from .api import explain, flash_attention  # noqa: E402
-from .block_sizes import BlockSizes  # noqa: E402
-from .context import balanced_order  # noqa: E402
-from .dropout import dropout_mask  # noqa: E402
-from .reference import attention_reference  # noqa: E402
-from .sharding import sharded  # noqa: E402
-from .tune_cache import clear_tuned, tuned  # noqa: E402
-from .tuning import tune  # noqa: E402
+from .kernels.block_sizes import BlockSizes  # noqa: E402
+from .spmd.context import balanced_order  # noqa: E402
+from .semantics.dropout import dropout_mask  # noqa: E402
+from .backends.reference import attention_reference  # noqa: E402
+from .spmd.sharding import sharded  # noqa: E402
+from .call.tune_cache import clear_tuned, tuned  # noqa: E402
+from .tuning.search import tune  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -6,10 +6,13 @@ import dataclasses
 
 import torch
 
-from . import backends, device_mesh, devices, features, sharding, tune_cache
-from .block_sizes import BlockSizes
-from .request import Options, Request, Tensors
-from .types import type_name
+from . import backends
+from .spmd import device_mesh, sharding
+from .tpu import devices
+from .call import features, tune_cache
+from .kernels.block_sizes import BlockSizes
+from .call.request import Options, Request, Tensors
+from .semantics.types import type_name
 
 MAX_HEAD_DIM = 256
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -123,7 +126,7 @@ class _Unexpected(TypeError):
 
 def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Request:
     """The :class:`Request` :func:`flash_attention` would build from these arguments: q, k, v, ``block_sizes``
-    and any of the features' keyword arguments (torchattn/features.py; the rest take their declared
+    and any of the features' keyword arguments (torchattn/call/features.py; the rest take their declared
     defaults)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

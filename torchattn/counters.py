@@ -23,6 +23,7 @@ Counts (per process, never reset):
 from __future__ import annotations
 
 import collections
+import functools
 
 NAMES = ("jax_traces", "jax_lowerings", "body_traces")
 
@@ -45,3 +46,16 @@ def since(before: dict[str, int]) -> dict[str, int]:
     """How much each count grew since the :func:`snapshot` ``before``."""
     now = snapshot()
     return {name: now[name] - before.get(name, 0) for name in NAMES}
+
+
+@functools.lru_cache(maxsize=None)
+def counting_traces(fn):
+    """``fn``, counting each time JAX traces it (its body runs only then: ``jax_traces``). One wrapper per ``fn``:
+    call_jax, jit and the Mosaic lowering cache by the function object."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        count("jax_traces")
+        return fn(*args)
+
+    return traced

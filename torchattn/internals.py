@@ -124,7 +124,7 @@ def compile_stablehlo(text: str, devices: tuple):
 
 
 # ---------------------------------------------------------------------------
-# torch.distributed: a gather with autograd (torchattn over a DeviceMesh, torchattn/device_mesh.py).
+# torch.distributed: a gather with autograd (torchattn over a DeviceMesh, torchattn/spmd/device_mesh.py).
 
 
 def all_gather_autograd(t: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -6,7 +6,7 @@ For each attention implementation (--compile-attn, default all three) and sequen
 (--compile-lengths) this builds the run's model, patched as the run patches it, and traces one
 training step on XLA:CPU with the trainer's own code (train/trainer.py: a micro-batch's forward and
 backward, then the optimizer update with clipping and weight decay) while torchattn sees the target
-TPU generation (torchattn.devices.seen_as_tpu: ``auto`` picks the ``pallas`` backend with that
+TPU generation (torchattn.tpu.devices.seen_as_tpu: ``auto`` picks the ``pallas`` backend with that
 generation's block sizes, its kernels enter the graph as ``tpu_custom_call``s). The graph's StableHLO
 (loss, updated parameters, gradients and AdamW state) goes to libtpu's compile-only client
 (torchattn.aot.compile_stablehlo), which allocates TPU HBM for it or says it does not fit.
@@ -52,8 +52,8 @@ import time
 
 import torch
 
-from torchattn import generations
-from torchattn.generations import GiB
+from torchattn.tpu import generations
+from torchattn.tpu.generations import GiB
 
 from . import build, runtime, tasks
 from .config import MAX_COMPILE_LENGTH, ATTNS, ConfigError, RunConfig, first_line, mesh_axes, positive_ints
@@ -405,7 +405,7 @@ def run(config: RunConfig) -> int:
 
 
 def _sweep(config: RunConfig) -> int:
-    from torchattn import devices
+    from torchattn.tpu import devices
 
     from . import models
 

@@ -21,8 +21,9 @@ import argparse
 import dataclasses
 import sys
 
-from .. import api, generations
-from ..block_sizes import MULTIPLES, BlockSizes
+from .. import api
+from ..tpu import generations
+from ..kernels.block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
 from . import schedule
 from .attention import BACKWARDS, Attention, compile_attention
@@ -90,7 +91,7 @@ def _positive_int(multiple: int = 1):
 
 
 def _parsed(parse):
-    """argparse type: a feature flag's ``parse`` (torchattn/features.py), its ValueError as argparse's error."""
+    """argparse type: a feature flag's ``parse`` (torchattn/call/features.py), its ValueError as argparse's error."""
     def parse_or_refuse(text: str):
         try:
             return parse(text)

@@ -6,10 +6,11 @@ import dataclasses
 
 import torch
 
-from ..block_sizes import BlockSizes
-from .. import kernel_calls
+from ..backends import kernel_calls
+from ..call import features
+from ..call.request import Request
 from ..kernels import COMPILED, arguments, vmem
-from ..request import Request
+from ..kernels.block_sizes import BlockSizes
 from .compiler import Compiled, compile_jax
 from .flags import FLAGS
 
@@ -63,6 +64,11 @@ class Attention:
         """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
         request = self.request()
         return kernel_calls.vmem_operands(request.tensors(), request.options)
+
+    def features_used(self) -> list[str]:
+        """The call features (torchattn/call/features.py) this call uses, in declaration order, read as a backend
+        reads them: off flash_attention's validated Request (at any blocks: they change no feature)."""
+        return features.used(self.request(BlockSizes(128, 128, 128, 128)))
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
         return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
@@ -124,7 +130,7 @@ def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSi
 
 
 def dq_reduction(spec):
-    """The XLA op the torch side runs after the fused backward (torchattn.kernel_calls.sum_dq_partials), in
+    """The XLA op the torch side runs after the fused backward (torchattn.backends.kernel_calls.sum_dq_partials), in
     jax: dq partials -> dq in the call's dtype."""
     import jax.numpy as jnp
     import numpy as np

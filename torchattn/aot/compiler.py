@@ -10,11 +10,14 @@ Mosaic rejects fails here as it would on the chip. Needs the ``libtpu`` wheel
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
+import json
+import sys
 import time
+from pathlib import Path
 
-from .. import generations, internals
+from .. import internals
+from ..tpu import generations
+from ..tpu.compile_only import device, slice_devices, topology_devices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,32 +38,6 @@ class Compiled:
     flops: float
     bytes_accessed: float
     executable: object = dataclasses.field(repr=False, compare=False)
-
-
-def device(generation: str):
-    """Device 0 of a compile-only slice of ``generation``."""
-    return slice_devices(generation)[0]
-
-
-def slice_devices(generation: str) -> tuple:
-    """The devices of a compile-only slice of ``generation`` (4 chips: generations.Generation.topology);
-    ValueError for a generation this environment's libtpu does not compile for (generations.compile_target)."""
-    return topology_devices(generations.compile_target(generation).topology)
-
-
-@functools.lru_cache(maxsize=None)
-def topology_devices(topology: str) -> tuple:
-    """The devices of the compile-only slice libtpu calls ``topology`` ("v5e:2x2", "v5e:4x4", "v4:2x2x1")."""
-    from jax.experimental import topologies
-
-    # libtpu refuses a second process on the machine without this (a TPU VM's guard
-    # against two runtimes sharing chips; here nothing is shared: compile-only).
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    # Off a TPU VM libtpu cannot find its host and worker list and prints warnings
-    # about it; a one-host slice is what a compile-only client is. Results are the same.
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
-    return tuple(topologies.get_topology_desc(platform="tpu", topology_name=topology).devices)
 
 
 def compile_jax(fn, structs, generation: str, name: str) -> Compiled:
@@ -95,7 +72,7 @@ def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1
 
     python = other_stack.compiler_for(generation, one_chip=partitions == 1 and topology is None)
     if python is not None:
-        return other_stack.compile_stablehlo(text, generation, name, python)
+        return Compiled(**other_stack.compile_stablehlo(text, generation, name, python), executable=None)
     chips = topology_devices(topology) if topology is not None else slice_devices(generation)
     if not 1 <= partitions <= len(chips):
         raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of the compile-only slice "
@@ -115,3 +92,17 @@ def _describe(name, generation, seconds, executable, costs, memory) -> Compiled:
         argument_bytes=memory.argument_size_in_bytes, output_bytes=memory.output_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes, flops=float(costs.get("flops", 0.0)),
         bytes_accessed=float(costs.get("bytes accessed", 0.0)), executable=executable)
+
+
+def main(argv: list[str]) -> int:
+    """``FILE GENERATION NAME``: compiles the StableHLO in FILE here and prints the figures as one JSON line (what
+    the other environment answers :mod:`.other_stack`)."""
+    path, generation, name = argv
+    compiled = compile_stablehlo(Path(path).read_text(), generation, name)
+    print(json.dumps({field.name: getattr(compiled, field.name) for field in dataclasses.fields(Compiled)
+                      if field.name != "executable"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

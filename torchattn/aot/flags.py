@@ -1,5 +1,5 @@
 """How ``python -m torchattn.aot`` and :class:`torchattn.aot.Attention` take the features of a call, from
-shapes alone: one :class:`Flag` per feature that changes the kernels (torchattn/features.py declares them)."""
+shapes alone: one :class:`Flag` per feature that changes the kernels (torchattn/call/features.py declares them)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..features import check_window
+from ..call.features import check_window
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Flag:
-    """feature: the feature's name (torchattn/features.py).
+    """feature: the feature's name (torchattn/call/features.py).
     name: the flag (``--name``) and the word the CLI describes the call with; field: ``Attention``'s field.
     parse: text -> value, raising ValueError that says what was expected (None: a switch, ``store_true``).
     arguments(value, attention) -> the flash_attention keyword arguments of that value (meta tensors for

@@ -39,9 +39,11 @@ import functools
 
 import numpy as np
 
-from .. import generations, masks
-from ..block_sizes import BlockSizes
-from ..tiling import LANES, SUBLANES
+from ..call import features
+from ..kernels.block_sizes import BlockSizes
+from ..semantics import masks
+from ..tpu import generations
+from ..tpu.tiling import LANES, SUBLANES
 from .attention import Attention
 from .schedule import Kernel
 
@@ -49,6 +51,12 @@ SPLASH = "splash_attention"
 FLASH = "flash_attention"
 _F32 = 4  # bytes: lse, di, m/l, scratch, segment ids (int32)
 _ITEMSIZE = {"bfloat16": 2, "float32": 4}
+
+
+# The call features (torchattn/call/features.py) each JAX kernel serves, declared as a backend declares them; a call
+# using another is refused by name (_refuse).
+SPLASH_FEATURES = features.EVERY_FEATURE - {"bias", "dropout_p"}
+FLASH_FEATURES = features.EVERY_FEATURE - {"window", "softcap", "dropout_p"}
 
 
 def splash_kernels(attention: Attention, generation: str, blocks: BlockSizes, *,
@@ -59,7 +67,7 @@ def splash_kernels(attention: Attention, generation: str, blocks: BlockSizes, *,
     GQA is splash's grouped MHA, a single kv head its MQA kernel. Splash takes q already scaled.
     """
     generations.get(generation)  # the kernels do not depend on it; a wrong name is still an error
-    _refuse(attention, SPLASH, bias=attention.bias is not None, dropout=attention.dropout_p > 0)
+    _refuse(attention, SPLASH, SPLASH_FEATURES)
     shape = _Shape.of(attention, _divisible(attention, blocks, SPLASH))
     if (_keys_per_query(attention) == 0).any():
         raise ValueError(f"{SPLASH}: query rows that see no key (causal or window with q_len {attention.q_len} "
@@ -73,9 +81,8 @@ def splash_kernels(attention: Attention, generation: str, blocks: BlockSizes, *,
 def flash_kernels(attention: Attention, generation: str, blocks: BlockSizes) -> list[Kernel]:
     """flash_attention's forward (with its residuals l and m) and its dk/dv and dq kernels."""
     generations.get(generation)
-    _refuse(attention, FLASH, **{
-        "GQA (kv_heads != q_heads)": attention.kv_heads != attention.q_heads, "window": attention.window is not None,
-        "softcap": attention.softcap is not None, "dropout": attention.dropout_p > 0,
+    _refuse(attention, FLASH, FLASH_FEATURES, **{
+        "GQA (kv_heads != q_heads)": attention.kv_heads != attention.q_heads,
         "bias='broadcast' (it takes only a full (batch, heads, q_len, kv_len) bias)": attention.bias == "broadcast",
         # its causal mask is col <= row: torchattn's bottom-right alignment only when the lengths are equal
         "causal with q_len != kv_len": attention.causal and attention.q_len != attention.kv_len})
@@ -117,7 +124,15 @@ class _Shape:
         return float(self.batch * self.heads * pairs * 2 * self.head_dim * matmuls)
 
 
-def _refuse(attention: Attention, kernel: str, **unsupported: bool) -> None:
+def _refuse(attention: Attention, kernel: str, served: frozenset[str], refusals: dict[str, str] | None = None,
+            **unsupported: bool) -> None:
+    """ValueError naming the first call feature ``attention`` uses that ``served`` lacks (``refusals[name]`` as the
+    reason where given): the backends' rule (features.unsupported); then the first of the kernel's own
+    ``unsupported`` conditions that holds, and a dtype it does not take."""
+    missing = [name for name in attention.features_used() if name not in served]
+    if missing:
+        raise ValueError(f"{kernel}: " + ((refusals or {}).get(missing[0])
+                                          or f"{missing[0]} is not supported by this JAX kernel"))
     for feature, present in unsupported.items():
         if present:
             raise ValueError(f"{kernel}: {feature} is not supported by this JAX kernel")

@@ -4,13 +4,12 @@ does not.
 The two environments (docs/versions.md) split what a compile-only run needs: torch_xla, which traces a model's
 step into StableHLO, is only in .venv (torch_xla's stack), and only .venv-current's libtpu (0.0.52) compiles
 for v7x. So .venv traces and hands the text to .venv-current's Python, which compiles it
-(``python -m torchattn.aot.other_stack``) and answers with the compiler's figures as JSON: ``python -m train
+(``python -m torchattn.aot.compiler``) and answers with the compiler's figures as JSON: ``python -m train
 --compile-only v7x`` and ``python -m train predict --compile-only v7x`` run from .venv that way.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import subprocess
@@ -18,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import _versions, generations
-from .compiler import Compiled
+from .. import _versions
+from ..tpu import generations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,13 +49,14 @@ def compiler_for(generation: str, one_chip: bool) -> str | None:
         return python
 
 
-def compile_stablehlo(text: str, generation: str, name: str, python: str) -> Compiled:
-    """``text`` compiled on one chip of ``generation`` by ``python``'s environment; RuntimeError with the
-    compiler's message when it refuses (a program that does not fit says how much it needed)."""
+def compile_stablehlo(text: str, generation: str, name: str, python: str) -> dict:
+    """The compiler's figures (torchattn.aot.compiler.Compiled's fields but the executable) for ``text`` compiled
+    on one chip of ``generation`` by ``python``'s environment; RuntimeError with the compiler's message when it
+    refuses (a program that does not fit says how much it needed)."""
     with tempfile.NamedTemporaryFile("w", suffix=".mlir", delete=False) as file:
         file.write(text)
     try:
-        done = subprocess.run([python, "-m", "torchattn.aot.other_stack", file.name, generation, name],
+        done = subprocess.run([python, "-m", "torchattn.aot.compiler", file.name, generation, name],
                               capture_output=True, text=True, cwd=ROOT, env=_environment())
     finally:
         os.unlink(file.name)
@@ -64,7 +64,7 @@ def compile_stablehlo(text: str, generation: str, name: str, python: str) -> Com
     if done.returncode != 0 or not lines:
         raise RuntimeError(f"{python} compiling {name} for {generation}: "
                            + (done.stderr.strip().splitlines() or ["no output"])[-1])
-    return Compiled(**json.loads(lines[-1]), executable=None)
+    return json.loads(lines[-1])
 
 
 def _environment() -> dict[str, str]:
@@ -73,18 +73,3 @@ def _environment() -> dict[str, str]:
     v7x: "Invalid TPU external name")."""
     return {**{name: value for name, value in os.environ.items() if sys.prefix not in value},
             "PYTHONPATH": str(ROOT)}
-
-
-def main(argv: list[str]) -> int:
-    """``FILE GENERATION NAME``: compiles the StableHLO in FILE, prints the figures as one JSON line."""
-    from .compiler import compile_stablehlo as compile_here
-
-    path, generation, name = argv
-    compiled = compile_here(Path(path).read_text(), generation, name)
-    print(json.dumps({field.name: getattr(compiled, field.name) for field in dataclasses.fields(Compiled)
-                      if field.name != "executable"}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -5,7 +5,7 @@ kernel's final schedule (:mod:`.schedule_dump`) and estimates one call: the sum 
 steps the mask leaves visible of max(every-step bundles / clock, the step's DMA bytes / HBM
 bandwidth), plus the once-per-row-of-tiles regions (init, finalize) at ``rows`` times their
 bundles / clock. The clock and the MXU's MACs per bundle are measured from a matmul-only kernel
-(:func:`matmul_kernel`; torchattn/generations.py). libtpu reads the flag when it loads:
+(:func:`matmul_kernel`; torchattn/tpu/generations.py). libtpu reads the flag when it loads:
 :func:`enable_dump` must run before anything in the process loads libtpu.
 """
 
@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from .. import generations
+from ..tpu import generations
 from . import schedule_dump
 from .compiler import compile_jax
 
@@ -271,7 +271,7 @@ def _path_steps(spec, zeroed_skips: bool) -> tuple[int, ...]:
 
 def _band_pairs(attention) -> int:
     """Query-key pairs of one (batch, head) slice inside the causal/window band."""
-    from .. import masks
+    from ..semantics import masks
 
     left, right = masks.diagonal_bounds(attention.causal, attention.window)
     return int(masks.keys_per_query(attention.q_len, attention.kv_len, left=left, right=right).sum())

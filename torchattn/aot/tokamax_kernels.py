@@ -50,15 +50,19 @@ import dataclasses
 
 import numpy as np
 
-from .. import generations
-from ..block_sizes import BlockSizes
-from ..tiling import LANES, SUBLANES
+from ..call import features
+from ..kernels.block_sizes import BlockSizes
+from ..tpu import generations
+from ..tpu.tiling import LANES, SUBLANES
 from .attention import Attention
 from .jax_kernels import (_F32, _ITEMSIZE, _divisible, _is_mqa, _kernel, _refuse, _Shape, band_mask, dq_reduction,
                           splash_residual_structs, splash_structs)
 from .schedule import Kernel
 
 TOKAMAX = "tokamax_splash"
+# The call features (torchattn/call/features.py) its op serves: no bias; dropout it draws in the kernel, which is not
+# modelled here.
+TOKAMAX_FEATURES = features.EVERY_FEATURE - {"bias", "dropout_p"}
 FULL, PARTIAL = 2, 1  # MaskInfo.block_mask: the mask-free path, the masked one (0: neither)
 
 
@@ -206,10 +210,9 @@ def _refuse_unmodelled(attention: Attention, generation: str) -> None:
     generations.get(generation)
     if generation == "v4":
         raise ValueError(f"{TOKAMAX}: Tokamax's op runs on TPU v5 and later, not v4")
-    _refuse(attention, TOKAMAX, bias=attention.bias is not None)
-    if attention.dropout_p > 0:
-        raise ValueError(f"{TOKAMAX}: dropout is not modelled (Tokamax 0.0.17 draws its mask in the kernel; "
-                         f"got dropout_p {attention.dropout_p})")
+    _refuse(attention, TOKAMAX, TOKAMAX_FEATURES, refusals={
+        "dropout_p": f"dropout is not modelled (Tokamax 0.0.17 draws its mask in the kernel; got dropout_p "
+                     f"{attention.dropout_p})"})
 
 
 def _op_arguments(attention: Attention):

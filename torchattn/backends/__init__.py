@@ -1,8 +1,8 @@
 """Backend registry and the ``auto`` choice.
 
-Every backend is one small module exposing ``BACKEND``, a :class:`torchattn.backend.Backend`:
+Every backend is one small module exposing ``BACKEND``, a :class:`torchattn.backends.backend.Backend`:
 what it serves (``unavailable``, for ``explain``) and how it runs (dense, or blockwise through
-the custom ops of torchattn/autograd.py). A new backend is a new module and its entry in
+the custom ops of torchattn/backends/autograd.py). A new backend is a new module and its entry in
 ``BACKENDS`` and ``_PREFERENCE``.
 """
 
@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autograd, devices, once, sharding
-from ..backend import Backend
-from ..request import Request
+from . import autograd
+from ..tpu import devices
+from .. import once
+from ..spmd import sharding
+from .backend import Backend
+from ..call.request import Request
 from . import interpret, pallas, reference, sdpa, simulated, xla
 
 BACKENDS = {m.BACKEND.name: m.BACKEND for m in (pallas, interpret, simulated, xla, reference, sdpa)}
@@ -32,7 +35,7 @@ _PREFERENCE = {
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What :func:`torchattn.explain` returns: the backend chosen, why each other one was passed over, and the
-    runtime the call's tensors belong to (torchattn.devices.runtime: "torch_xla", "TorchTPU" or "torch")."""
+    runtime the call's tensors belong to (torchattn.tpu.devices.runtime: "torch_xla", "TorchTPU" or "torch")."""
 
     backend: str
     passed_over: dict[str, str]

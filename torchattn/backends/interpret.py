@@ -1,7 +1,7 @@
 """``interpret``: the Pallas TPU kernels in Pallas interpret mode, on any XLA device.
 
 The same kernel source as ``pallas``, lowered to plain HLO and embedded in the
-torch_xla graph through ``call_jax``, or run by JAX on CPU tensors (torchattn/jax_bridge.py): how the
+torch_xla graph through ``call_jax``, or run by JAX on CPU tensors (torchattn/runtimes/__init__.py): how the
 kernels are proven without a TPU.
 """
 
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import functools
 
-from .. import features, kernel_calls
-from ..backend import Backend
+from ..call import features
+from . import kernel_calls
+from .backend import Backend
 from ..kernels import INTERPRET
-from ..request import Request
+from ..call.request import Request
 
 
 def unavailable(request: Request) -> str | None:

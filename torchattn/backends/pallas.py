@@ -1,18 +1,20 @@
 """``pallas``: the Pallas kernels compiled by Mosaic for TPU, on either runtime.
 
-On torch_xla each kernel enters the graph as a ``tpu_custom_call`` (see torchattn/jax_bridge.py for why
+On torch_xla each kernel enters the graph as a ``tpu_custom_call`` (see torchattn/runtimes/__init__.py for why
 this path and not ``call_jax``); on TorchTPU each is a torch op registered through ``torch.tpu.pallas.jax_op``
-(torchattn/torchtpu.py).
+(torchattn/runtimes/torchtpu.py).
 """
 
 from __future__ import annotations
 
 import functools
 
-from .. import devices, features, kernel_calls
-from ..backend import Backend
+from ..tpu import devices
+from ..call import features
+from . import kernel_calls
+from .backend import Backend
 from ..kernels import COMPILED
-from ..request import Request
+from ..call.request import Request
 
 
 def unavailable(request: Request) -> str | None:

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import masks
-from ..backend import Backend
-from ..request import Request
-from ..roles import PAIRS
+from ..semantics import masks
+from .backend import Backend
+from ..call.request import Request
+from ..semantics.roles import PAIRS
 
 
 def unavailable(request: Request) -> str | None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import functools
 
-from .. import features, kernel_calls
-from ..backend import Backend
+from ..call import features
+from . import kernel_calls
+from .backend import Backend
 from ..kernels import SIMULATED
-from ..request import Request
+from ..call.request import Request
 
 
 def unavailable(request: Request) -> str | None:

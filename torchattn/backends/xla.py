@@ -1,4 +1,4 @@
-"""``xla``: blockwise attention in plain torch ops (torchattn/torch_blockwise.py), compiled by XLA
+"""``xla``: blockwise attention in plain torch ops (torchattn/backends/torch_blockwise.py), compiled by XLA
 for any XLA device.
 
 Not per device under SPMD: it is torch ops GSPMD partitions itself (and XLA's partitioner
@@ -7,9 +7,10 @@ rejects its loop inside a manual-sharding region: "Check failed: !IsManual()").
 
 from __future__ import annotations
 
-from .. import features, torch_blockwise
-from ..backend import Backend
-from ..request import Request
+from ..call import features
+from . import torch_blockwise
+from .backend import Backend
+from ..call.request import Request
 
 
 def unavailable(request: Request) -> str | None:

@@ -1,12 +1,12 @@
 """Pallas TPU kernels by role (forward, fused backward, backward dq, backward dk/dv), the launch spec they are built
-from, and how they run (:data:`MODES`); the runtimes launch them (jax_bridge, torchtpu).
+from, and how they run (:data:`MODES`); torchattn/runtimes launches them.
 
 Importing this package imports no JAX; the kernel modules do, when a kernel runs.
 """
 
 from __future__ import annotations
 
-# The kernels by role: what the runtimes (torchattn/jax_bridge.py, torchattn/torchtpu.py) name each launch.
+# The kernels by role: what the runtimes (torchattn/runtimes/) name each launch.
 ROLES = ("forward", "backward_fused", "backward_dq", "backward_dkv")
 
 # How a kernel runs (KernelSpec.mode): compiled by Mosaic for a TPU; in Pallas' classic interpret mode, the kernel

@@ -1,10 +1,10 @@
 """The kernels' argument contract: the arrays each kernel takes, their order, padded shapes and blocks.
 
-Every kernel takes the key, int32 (KEY_LENGTH,) (prefetched into SMEM: the dropout key, torchattn.dropout.keys,
-then a sequence shard's row offsets, torchattn.context.row_offsets), then the
-call's arrays (``KernelSpec.arrays``, declared by the torch side from torchattn.request.Tensors) and, in the
+Every kernel takes the key, int32 (KEY_LENGTH,) (prefetched into SMEM: the dropout key,
+torchattn.semantics.dropout.keys, then a sequence shard's row offsets, torchattn.spmd.context.row_offsets), then the
+call's arrays (``KernelSpec.arrays``, declared by the torch side from torchattn.call.request.Tensors) and, in the
 backward kernels, :func:`backward_arrays`. Each array is an :class:`Array`, and everything here follows from
-its shape role (torchattn/roles.py), so an input of an existing role needs no code in this file:
+its shape role (torchattn/semantics/roles.py), so an input of an existing role needs no code in this file:
 
 - per q row, with features (q, do): (batch, q_heads, q_pad, head_dim), blocks (block_q, head_dim);
 - per q row, one value per row (segment ids; lse, delta with heads): (batch, [q_heads,] q_pad, 128),
@@ -16,8 +16,8 @@ its shape role (torchattn/roles.py), so an input of an existing role needs no co
 
 Sequences are padded to ``spec.q_pad``/``spec.kv_pad`` (multiples of the blocks), head_dim to
 ``spec.head_dim``: as it is below 128 (a block dim may be the whole array dim), else to a multiple of 128
-lanes (torchattn.kernel_calls.kernel_head_dim). Read by the torch side (torchattn/kernel_calls.py), the kernel bodies
-(:func:`unpack`), the block specs (kernels/common.py), the cost estimates, the VMEM estimate and
+lanes (torchattn.backends.kernel_calls.kernel_head_dim). Read by the torch side (torchattn/backends/kernel_calls.py),
+the kernel bodies (:func:`unpack`), the block specs (kernels/common.py), the cost estimates, the VMEM estimate and
 ``torchattn.aot.argument_structs``. Pure Python: the VMEM check runs before jax is imported.
 """
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..roles import PAIRS, Q_ROWS
-from ..tiling import LANES, SUBLANES
+from ..semantics.roles import PAIRS, Q_ROWS
+from ..tpu.tiling import LANES, SUBLANES
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
 KEY_LENGTH = 5  # the prefetched key: dropout seed, first batch-head, heads; then two row offsets
@@ -38,7 +38,7 @@ class Array:
     """One array a kernel takes.
 
     name: what the kernel bodies read its ref as (:func:`unpack`).
-    role: Q_ROWS, KV_ROWS or PAIRS (torchattn/roles.py).
+    role: Q_ROWS, KV_ROWS or PAIRS (torchattn/semantics/roles.py).
     heads: has a heads dim after batch (query heads per q row and per pair, kv heads per kv row).
     features: its rows hold head_dim values (q, k, v, do); otherwise one value per row.
     dtype: "float32", "bfloat16" or "int32".
@@ -78,7 +78,7 @@ class Array:
 
 
 def narrow(head_dim: int) -> bool:
-    """head_dim below one 128-lane tile: the arrays keep it unpadded (torchattn.kernel_calls.kernel_head_dim)
+    """head_dim below one 128-lane tile: the arrays keep it unpadded (torchattn.backends.kernel_calls.kernel_head_dim)
     and the backward accumulates its gradients transposed (KernelSpec.transposed_gradients)."""
     return head_dim < LANES
 

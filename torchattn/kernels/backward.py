@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import generations
+from ..tpu import generations
 from . import arguments, common, vmem
 from .common import (LOG2E, NN, NT, TN, TT, WHOLE, KernelSpec, block_scores, block_spec, block_specs, dot,
                      dropout_scale, lanes, pallas_function, q_grid_coords, score_factor, tile_paths)

@@ -1,6 +1,6 @@
 """The visible band on (block_q x block_kv) tiles: which tiles the kernels compute, which blocks they fetch.
 
-A tile none of whose (query, key) pairs is visible (:func:`torchattn.masks.visible`
+A tile none of whose (query, key) pairs is visible (:func:`torchattn.semantics.masks.visible`
 without segment ids, which are data) is skipped: its compute sits under
 ``pl.when`` and its index map fetches a block already in VMEM, so it costs no
 DMA either. The same code runs in the kernels' index maps and ``pl.when``
@@ -10,13 +10,13 @@ for the cost estimate): ``xp`` is the array module whose ``minimum`` and
 
 Block indices run over ``ceil(length / block)`` blocks per axis, so every block
 holds at least one real query or key. ``left`` and ``right`` are >= 0 or None,
-as :func:`torchattn.masks.diagonal_bounds` gives them.
+as :func:`torchattn.semantics.masks.diagonal_bounds` gives them.
 
-Under a sequence sharding (torchattn.spmd) the query rows are one device's: ``q_len``
+Under a sequence sharding (torchattn.spmd.per_device) the query rows are one device's: ``q_len``
 of them, padded as ever, but masked at their global positions. Each half of them
 (``half`` rows) starts at its own global row, ``offsets`` (traced in the kernels: the
 per-device row offsets are data), and the band sits on the global diagonal of
-``global_q_len`` queries. A query block lies within one half (torchattn.spmd picks
+``global_q_len`` queries. A query block lies within one half (torchattn.spmd.per_device picks
 such blocks), so one offset places all its rows. The keys are all of them.
 """
 
@@ -26,7 +26,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import masks
+from ..semantics import masks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import dropout, masks
-from ..roles import PAIRS
-from ..tiling import LANES, SUBLANES
+from ..semantics import dropout, masks
+from ..semantics.roles import PAIRS
+from ..tpu.tiling import LANES, SUBLANES
 from . import arguments, compat
 from .block_geometry import BlockGeometry
 
@@ -29,7 +29,7 @@ class KernelSpec:
     ``q_pad``/``kv_pad`` (multiples of the block sizes) and the padding is masked.
     ``arrays``: the call's inputs in argument order (kernels/arguments.py: q, k, v, then any of the
     optional tensors the call has).
-    ``options``: the call's static options (torchattn.request.Options: scale, softcap, dropout_p,
+    ``options``: the call's static options (torchattn.call.request.Options: scale, softcap, dropout_p,
     bounds, ...), read by the kernels as they are, not copied field by field.
     """
 
@@ -119,7 +119,7 @@ def load(ref):
 
 def row_offsets(key_ref):
     """(global row of local row 0, of local row ``half``) of a sequence shard: the prefetched key's last two
-    entries (kernels/arguments.py, KEY_LENGTH; torchattn.kernel_calls.kernel_key)."""
+    entries (kernels/arguments.py, KEY_LENGTH; torchattn.backends.kernel_calls.kernel_key)."""
     return key_ref[3], key_ref[4]
 
 
@@ -272,8 +272,8 @@ def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile, diag
 
 def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, shape, first=(0, 0)):
     """Keep mask divided by (1 - p) for one tile (``first``: the row and column of the tile that shape's first
-    element is, for a piece of it), from the hash in torchattn.dropout; ``key_ref`` holds the dropout key (seed,
-    first batch-head, heads): see torchattn.dropout.keys."""
+    element is, for a piece of it), from the hash in torchattn.semantics.dropout; ``key_ref`` holds the dropout key
+    (seed, first batch-head, heads): see torchattn.semantics.dropout.keys."""
     bq, bkv = shape
     # Scalars become (block_q, 1) vectors before any uint32 work: Mosaic bitcasts vectors only.
     column = jnp.zeros((bq, 1), jnp.int32)

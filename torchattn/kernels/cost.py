@@ -34,7 +34,7 @@ import dataclasses
 import numpy as np
 from jax.experimental import pallas as pl
 
-from ..roles import PAIRS, Q_ROWS
+from ..semantics.roles import PAIRS, Q_ROWS
 from . import arguments
 from .common import KernelSpec
 

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .. import generations
-from ..tiling import LANES
+from ..tpu import generations
+from ..tpu.tiling import LANES
 from . import arguments
 from .common import (LN2, NN, KernelSpec, block_scores, block_spec, block_specs, dot, dropout_scale, lanes,
                      diagonal_pieces, pallas_function, q_grid_coords, score_factor, tile_paths)

@@ -56,10 +56,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import generations
-from ..block_sizes import BlockSizes
-from ..roles import PAIRS
-from ..tiling import LANES, SUBLANES, round_up
+from ..tpu import generations
+from .block_sizes import BlockSizes
+from ..semantics.roles import PAIRS
+from ..tpu.tiling import LANES, SUBLANES, round_up
 from . import arguments
 
 MiB = 1 << 20
@@ -111,7 +111,7 @@ class Operands:
     @classmethod
     def of(cls, head_dim: int, dtype: str, arrays: tuple[arguments.Array, ...], options) -> Operands:
         """The operands of a call whose kernels take ``arrays`` (q, k, v first) with these Options
-        (torchattn.request): what of them costs VMEM is read here, once."""
+        (torchattn.call.request): what of them costs VMEM is read here, once."""
         return cls(head_dim=head_dim, dtype=dtype, extra=arrays[3:], dropout=options.dropout_p > 0,
                    softcap=options.softcap is not None)
 

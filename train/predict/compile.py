@@ -8,7 +8,7 @@ The step is the one a run takes on each chip: --rows-per-device packed rows of -
 (documents of --max-length tokens laid whole), the model's forward and the task's per-token outputs, float32.
 
 The time per step is the roofline of the compiler's cost analysis of the compiled step: max(its FLOPs / the
-chip's peak, its HBM bytes / the chip's bandwidth) (torchattn.roofline.Work; the step's matmuls are bf16 passes:
+chip's peak, its HBM bytes / the chip's bandwidth) (torchattn.tuning.roofline.Work; the step's matmuls are bf16 passes:
 torch_xla asks for DEFAULT precision). It is a lower bound on the time, so the documents/s it gives is an upper
 bound. It is not a schedule estimate: torchattn.aot.schedule estimates a Pallas kernel from libtpu's VLIW
 schedule, but a whole step is hundreds of XLA programs besides the kernels, and its schedule dump does not add
@@ -25,7 +25,8 @@ import gc
 import numpy as np
 import torch
 
-from torchattn import devices, generations, roofline
+from torchattn.tpu import devices, generations
+from torchattn.tuning import roofline
 from torchattn.aot import other_stack
 
 from .. import compile_only, runtime

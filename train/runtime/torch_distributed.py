@@ -59,7 +59,7 @@ def device_type() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _has_tpu() -> bool:
-    from torchattn.torchtpu import tpu_attached
+    from torchattn.runtimes.torchtpu import tpu_attached
 
     if importlib.util.find_spec("torch_tpu") is None or not tpu_attached():  # not starting libtpu for nothing
         return False

@@ -7,8 +7,8 @@ part of every sequence dim (its chunk, or its two chunks in the dual-chunk order
 key dim, which holds every key (in the natural order). The query side stays local; k, v and the key segment ids
 are all-gathered along the sequence axes once per call, with autograd (their gradients reduce-scattered back),
 and put into the natural order. The kernels mask by the rows' global positions (``row_offsets``,
-torchattn.context), so causal attention, windows, documents crossing processes and dropout are those of the
-unsharded call; each process's dropout key carries its global batch and head (torchattn.dropout.keys). Out and
+torchattn.spmd.context), so causal attention, windows, documents crossing processes and dropout are those of the
+unsharded call; each process's dropout key carries its global batch and head (torchattn.semantics.dropout.keys). Out and
 lse come back local, in the order q came in.
 
 Only the per-device backends serve such a call (``pallas`` on TorchTPU, ``interpret`` or ``simulated`` on CPU
@@ -25,9 +25,11 @@ import math
 import torch
 import torch.distributed as dist
 
-from . import context, dropout, internals
-from .request import Request
-from .roles import KV_ROWS
+from . import context
+from ..semantics import dropout
+from .. import internals
+from ..call.request import Request
+from ..semantics.roles import KV_ROWS
 
 
 def sequence_ways(sharding) -> int:
@@ -91,7 +93,7 @@ _KEY_DIMS = {(KV_ROWS, True): 2, (KV_ROWS, False): 1}
 
 def _dropout_key(request: Request, sharding):
     """This process's dropout key (int64 (3,)), or None without dropout: the keys of the global (batch, heads) call
-    it holds a part of (torchattn.dropout.keys), the part at its coordinates of the batch and heads axes."""
+    it holds a part of (torchattn.semantics.dropout.keys), the part at its coordinates of the batch and heads axes."""
     if request.seed is None:
         return None
     mesh = sharding.mesh
@@ -103,7 +105,7 @@ def _dropout_key(request: Request, sharding):
 
 def wide_ids_relabelled(request: Request, given: dict) -> bool:
     """Whether ``request`` is sequence-sharded over a DeviceMesh and its segment ids were relabelled from ids wider
-    than 32 bits (torchattn.segments): each process then numbered its own part, and the key ids it gathers would
+    than 32 bits (torchattn.call.segments): each process then numbered its own part, and the key ids it gathers would
     not match."""
     sharding = request.sharding
     ids = given.get("segment_ids")
@@ -114,7 +116,7 @@ def wide_ids_relabelled(request: Request, given: dict) -> bool:
 def with_global_ids(request: Request, given: dict) -> Request:
     """``request`` with its segment ids relabelled over the whole sequence (every process's parts gathered), then
     each process's part taken: the same id is the same label on every process."""
-    from . import segments
+    from ..call import segments
 
     sharding = request.sharding
     q_ids = given["segment_ids"]

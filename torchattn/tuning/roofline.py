@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from . import generations, masks
-from .block_sizes import BlockSizes
-from .tiling import LANES, round_up
+from ..tpu import generations
+from ..semantics import masks
+from ..kernels.block_sizes import BlockSizes
+from ..tpu.tiling import LANES, round_up
 
 if TYPE_CHECKING:
-    from .aot import Attention
+    from ..aot import Attention
 
 _FORWARD_FLOPS_PER_PAIR_AND_DIM = 4  # 2 matmuls x (multiply + add)
 _BACKWARD_OVER_FORWARD = 2.5  # 5 matmuls (q k^T again, do v^T, p^T do, ds k, ds^T q) to the forward's 2
@@ -91,7 +92,7 @@ def kernel_work(attention: Attention, block_sizes: BlockSizes, generation: str, 
     take head_dim unpadded and move fewer bytes than counted here. ``pad_head_dim=False`` counts head_dim
     as it is: the FLOPs and bytes on paper.
     """
-    from .kernels import cost  # imports jax
+    from ..kernels import cost  # imports jax
 
     blocks = block_sizes.clamped(attention.q_len, attention.kv_len)
     specs = attention.specs(blocks, generation)

@@ -3,7 +3,7 @@ laid out, the kernel calls, the results unpadded.
 
 Shared by the ``pallas`` (Mosaic-compiled), ``interpret`` and ``simulated`` backends, which differ only in the
 kernels' mode (torchattn.kernels.MODES).
-Everything per tensor follows from its declaration (torchattn.request.Tensors) and the kernels' argument
+Everything per tensor follows from its declaration (torchattn.call.request.Tensors) and the kernels' argument
 contract (torchattn/kernels/arguments.py).
 """
 
@@ -14,11 +14,12 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from . import generations, jax_bridge
-from .kernels import arguments, vmem
-from .request import Options, Request, Tensors
-from .roles import PER_DEVICE, PAIRS, Q_ROWS
-from .tiling import LANES, SUBLANES, round_up
+from ..tpu import generations
+from .. import runtimes
+from ..kernels import arguments, vmem
+from ..call.request import Options, Request, Tensors
+from ..semantics.roles import PER_DEVICE, PAIRS, Q_ROWS
+from ..tpu.tiling import LANES, SUBLANES, round_up
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -69,8 +70,8 @@ def kernel_spec(tensors: Tensors, options: Options, block_q: int, block_kv: int,
                 wanted: tuple[str, ...] | None = None):
     """The KernelSpec of one call in ``mode`` (torchattn.kernels.MODES); ``options.generation`` (compiled kernels
     only) sets the VMEM limit; ``wanted`` as :func:`kernel_arrays` takes it."""
-    from .kernels import COMPILED
-    from .kernels.common import KernelSpec  # imports jax: only once a kernel actually runs
+    from ..kernels import COMPILED
+    from ..kernels.common import KernelSpec  # imports jax: only once a kernel actually runs
 
     batch, q_heads, q_len, head_dim = tensors.q.shape
     kv_heads, kv_len = tensors.k.shape[1], tensors.k.shape[2]
@@ -119,7 +120,7 @@ def _kernel_arguments(spec, dropout_key, tensors: dict[str, torch.Tensor], backw
 
 def kernel_key(tensors: Tensors) -> torch.Tensor:
     """The kernels' prefetched key, int32 (5,) (kernels/common.py): the dropout key (int64 (3,),
-    torchattn.dropout.keys; zeros without dropout), then the row offsets (int64 (2,); zeros unsharded).
+    torchattn.semantics.dropout.keys; zeros without dropout), then the row offsets (int64 (2,); zeros unsharded).
     int32: JAX runs without 64-bit types; the seed's 32 bits keep their pattern, the rest are small."""
     zeros = dict(dtype=torch.int64, device=tensors.q.device)
     dropout_key = tensors.dropout_key if tensors.dropout_key is not None else torch.zeros(3, **zeros)
@@ -147,13 +148,13 @@ def forward(tensors: Tensors, options: Options, *, mode: str):
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
     kernel_args = _kernel_arguments(spec, kernel_key(tensors), _present(tensors), backward=False)
-    out, lse = jax_bridge.call("forward", spec, kernel_args, out_shapes)
+    out, lse = runtimes.call("forward", spec, kernel_args, out_shapes)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
 
 def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, mode: str):
     """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
-    from .kernels.backward import fused
+    from ..kernels.backward import fused
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
@@ -169,13 +170,13 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     if fused(spec):
         partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
                     torch.float32)
-        dk, dv, partials, *ds = jax_bridge.call("backward_fused", spec, kernel_args,
-                                                [kv_shape, kv_shape, partials, *ds_shape])
+        dk, dv, partials, *ds = runtimes.call("backward_fused", spec, kernel_args,
+                                              [kv_shape, kv_shape, partials, *ds_shape])
         dq = sum_dq_partials(spec, partials).to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
-        dq, *ds = jax_bridge.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
-        dk, dv = jax_bridge.call("backward_dkv", spec, kernel_args, [kv_shape, kv_shape])
+        dq, *ds = runtimes.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
+        dk, dv = runtimes.call("backward_dkv", spec, kernel_args, [kv_shape, kv_shape])
     d = q.shape[3]
     grads = dict(q=dq[:, :, : spec.q_len, :d], k=dk[:, :, : spec.kv_len, :d], v=dv[:, :, : spec.kv_len, :d])
     for array in pair_grads:  # an additive term per (q, kv) pair: its gradient is ds, summed where it broadcasts

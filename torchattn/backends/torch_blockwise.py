@@ -17,7 +17,7 @@ built on the host; each step picks its blocks out of the loop-invariant inputs b
 - Backward: tiles ordered by key block; every step adds its share to dq, dk, dv (and the
   gradient of each per-pair input that needs one) in buffers of the inputs' sizes.
 
-Per (q, kv) pair inputs (torchattn/roles.py: PAIRS; the bias) are read by their role: each is an additive term
+Per (q, kv) pair inputs (torchattn/semantics/roles.py: PAIRS; the bias) are read by their role: each is an additive term
 of the logits, blocked along the dims it does not broadcast over.
 
 GQA runs as (batch, kv_heads, groups * block_q) rows against the shared K/V head, so K/V
@@ -32,12 +32,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import internals, masks
-from .dropout import column_keys, element_bits, keep_threshold, row_keys
-from .kernels.block_geometry import BlockGeometry
-from .request import Tensors
-from .roles import PAIRS
-from .types import accumulation_dtype
+from .. import internals
+from ..semantics import masks
+from ..semantics.dropout import column_keys, element_bits, keep_threshold, row_keys
+from ..kernels.block_geometry import BlockGeometry
+from ..call.request import Tensors
+from ..semantics.roles import PAIRS
+from ..semantics.types import accumulation_dtype
 
 _NEG_INF = float("-inf")
 
@@ -219,7 +220,7 @@ def _prepare(lay, tensors: Tensors, options):
         term = term.to(lay.compute).reshape(term.shape[0], *split_heads, *term.shape[2:])
         data[name] = {name: _pair_blocks(lay, name, term)}
     if options.dropout_p > 0.0:
-        # batch_head = first + b * heads + h (torchattn.dropout.keys).
+        # batch_head = first + b * heads + h (torchattn.semantics.dropout.keys).
         seed, first, heads = dropout_key
         batch_head = torch.arange(lay.B, **idx).view(lay.B, 1) * heads + torch.arange(lay.Hq, **idx) + first
         batch_head = batch_head.view(lay.B, lay.Hq, 1, 1)
@@ -277,7 +278,7 @@ def _positions(lay, blk, tile):
 
 
 def _keep(lay, options, blk, tile):
-    """Dropout keep mask of one tile, bool (B, Hkv, G * bq, bk): the hash of torchattn.dropout."""
+    """Dropout keep mask of one tile, bool (B, Hkv, G * bq, bk): the hash of torchattn.semantics.dropout."""
     _, cols = _positions(lay, blk, tile)
     return element_bits(blk["row_keys"], column_keys(cols)) >= keep_threshold(options.dropout_p)
 

@@ -3,15 +3,15 @@
 Layers, as in flash-attn: custom ops with fake (shape-only) implementations so
 ``torch.compile`` can trace through them; one ``autograd.Function`` that saves
 the call's tensors, out and lse (never a q_len x kv_len matrix) and calls the backward op.
-The ops run the blockwise backend (torchattn.backend.Backend) that calls
+The ops run the blockwise backend (torchattn.backends.backend.Backend) that calls
 :func:`blockwise_attention`: the schema carries its name, the op finds the object again.
 Its pair of functions
 
     forward(tensors, options) -> (out, lse)   lse: (batch, q_heads, q_len) in accumulation_dtype(q.dtype)
     backward(do, dlse, out, lse, tensors, options, wanted) -> {name: gradient}
 
-take ``tensors`` a :class:`torchattn.request.Tensors` and ``options`` a
-:class:`torchattn.request.Options` (block sizes included). The ops' tensor arguments,
+take ``tensors`` a :class:`torchattn.call.request.Tensors` and ``options`` a
+:class:`torchattn.call.request.Options` (block sizes included). The ops' tensor arguments,
 the fakes, the saved tensors and the gradients returned are all derived from ``Tensors``'
 declaration; the static options cross as typed schema arguments derived from ``Options``.
 ``wanted``: the optional gradients (the bias's) the caller needs; the others are always computed.
@@ -32,10 +32,12 @@ import inspect
 
 import torch
 
-from . import internals, kernel_calls, spmd
+from .. import internals
+from . import kernel_calls
+from ..spmd import per_device
 from .backend import Backend, blockwise
-from .request import Options, Request, Tensors
-from .types import accumulation_dtype
+from ..call.request import Options, Request, Tensors
+from ..semantics.types import accumulation_dtype
 
 _OPTIONS = Options.op_schema()  # the static options as typed schema arguments, derived from Options' fields
 _TENSORS = Tensors.op_schema()  # the call's tensors, derived from Tensors' declaration
@@ -175,5 +177,5 @@ def apply(backend: Backend, tensors: Tensors, options: Options):
 
 def blockwise_attention(request: Request, backend: Backend):
     """Runs ``request`` on a blockwise backend; returns (out, lse or None)."""
-    out, lse = spmd.run(request, functools.partial(apply, backend), per_device=backend.per_device)
+    out, lse = per_device.run(request, functools.partial(apply, backend), per_device=backend.per_device)
     return out, (lse if request.return_lse else None)

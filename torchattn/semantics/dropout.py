@@ -81,7 +81,7 @@ def keys(seed: torch.Tensor, batch: int, q_heads: int, batch_shards: int = 1, he
     """The dropout keys the blockwise kernels take: int64 (batch_shards, head_shards, 3).
 
     A (batch, q_heads, ...) tensor cut evenly into batch_shards x head_shards shards
-    (SPMD: see torchattn.spmd) gives shard (i, j) the key (seed bits, batch_head of
+    (SPMD: see torchattn.spmd.per_device) gives shard (i, j) the key (seed bits, batch_head of
     the shard's first (batch, head), q_heads). A kernel running on the shard hashes
     batch_head = first + local_batch * q_heads + local_head: the global position, so
     a sharded run drops exactly what one device drops. Unsharded: ``keys(...)[0, 0]``.

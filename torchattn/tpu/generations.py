@@ -127,7 +127,7 @@ def get(name: str) -> Generation:
 def compile_target(name: str) -> Generation:
     """The generation called ``name``, if this environment's libtpu compiles for it (its stack is among the
     generation's ``stacks``); ValueError naming the environment that does otherwise."""
-    from . import _versions
+    from .. import _versions
 
     chip, here = get(name), _versions.installed_stack()
     if here not in chip.stacks:
@@ -142,7 +142,7 @@ def compile_target(name: str) -> Generation:
 
 def compile_targets() -> list[str]:
     """The names of the generations this environment's libtpu compiles for."""
-    from . import _versions
+    from .. import _versions
 
     return [name for name, chip in GENERATIONS.items() if _versions.installed_stack() in chip.stacks]
 

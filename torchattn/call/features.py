@@ -4,8 +4,8 @@ A :class:`Feature` is one thing a call can ask for (causal masking, a bias, drop
 arguments it takes and their defaults, its check (one function, named for it, that validates them), the
 fields the validated values become, when a call uses it and what of it the tuned block sizes depend on. From
 this list come: the checks of :func:`torchattn.api.validated`, the order and kinds of the fields of
-``Options``, ``Tensors`` and ``Request`` (torchattn/request.py, written out there and held to this list by
-tests/test_call_declaration.py) and the tune key (torchattn.tune_cache.Key). How python -m torchattn.aot takes
+``Options``, ``Tensors`` and ``Request`` (torchattn/call/request.py, written out there and held to this list by
+tests/test_call_declaration.py) and the tune key (torchattn.call.tune_cache.Key). How python -m torchattn.aot takes
 a feature lives in torchattn/aot/flags.py; the keywords transformers passes, in patches/attention.py.
 
 Every backend names the features it serves (``Backend.features``). A call that uses a feature a backend does not
@@ -30,9 +30,9 @@ from typing import Any, Callable
 import torch
 
 from . import segments
-from .dropout import MASK32, seed_to_uint32
-from .roles import KV_ROWS, PAIRS, Q_ROWS
-from .types import accumulation_dtype, is_bool, type_name
+from ..semantics.dropout import MASK32, seed_to_uint32
+from ..semantics.roles import KV_ROWS, PAIRS, Q_ROWS
+from ..semantics.types import accumulation_dtype, is_bool, type_name
 
 
 class Kind(enum.Enum):
@@ -48,8 +48,8 @@ class Kind(enum.Enum):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Field:
     """One field a feature's validated values become. ``type``: an OPTION's annotation, which the custom ops'
-    schema takes (torchattn.request._OP_TYPES). ``role``: a TENSOR's shape role (torchattn/roles.py), with a
-    ``heads`` dim or not, and a gradient when it requires one (``grad``)."""
+    schema takes (torchattn.call.request._OP_TYPES). ``role``: a TENSOR's shape role (torchattn/semantics/roles.py),
+    with a ``heads`` dim or not, and a gradient when it requires one (``grad``)."""
 
     name: str
     kind: Kind
@@ -92,7 +92,7 @@ class Feature:
 @dataclasses.dataclass(frozen=True)
 class Call:
     """What a feature's check reads besides its own arguments: q and k, validated, and how many keys a query sees:
-    k's, or over a DeviceMesh with sequence axes every process's (torchattn/device_mesh.py)."""
+    k's, or over a DeviceMesh with sequence axes every process's (torchattn/spmd/device_mesh.py)."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -300,9 +300,15 @@ def check_names(owner: str, declared: frozenset[str]) -> None:
     misspelt name would never match)."""
     unknown = sorted(declared - {feature.name for feature in FEATURES})
     if unknown:
-        raise TypeError(f"{owner}: features {unknown} are not declared in torchattn/features.py")
+        raise TypeError(f"{owner}: features {unknown} are not declared in torchattn/call/features.py")
+
+
+def used(request) -> list[str]:
+    """The features ``request`` uses, in declaration order."""
+    return [feature.name for feature in FEATURES if feature.used(request)]
 
 
 def unsupported(request, supported: frozenset[str]) -> list[str]:
-    """The features ``request`` uses that are not in ``supported``, in declaration order."""
-    return [feature.name for feature in FEATURES if feature.name not in supported and feature.used(request)]
+    """The features ``request`` uses that are not in ``supported``, in declaration order: what a backend, or an AOT
+    peer's kernel, refuses by name."""
+    return [name for name in used(request) if name not in supported]

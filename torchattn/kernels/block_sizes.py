@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import numbers
 
-from .tiling import LANES, SUBLANES, round_up
-from .types import is_bool, type_name
+from ..tpu.tiling import LANES, SUBLANES, round_up
+from ..semantics.types import is_bool, type_name
 
 
 # The multiple each block size must be: query blocks tile the TPU vreg's sublanes, key blocks its lanes.
@@ -59,14 +59,14 @@ class BlockSizes:
     @classmethod
     def default(cls, q_len: int, kv_len: int, head_dim: int, generation: str | None = None) -> "BlockSizes":
         """The default blocks for a TPU ``generation`` ("v4", "v5e", "v5p", "v6e"; see
-        torchattn.generations and the table in docs/kernels.md), clamped to the sequence. Without a
+        torchattn.tpu.generations and the table in docs/kernels.md), clamped to the sequence. Without a
         generation (not on a TPU: the ``interpret`` and ``xla`` backends): 512 rows, 256 for
         head_dim > 128."""
         if generation is None:
             cap = 512 if head_dim <= 128 else 256
             sizes = (cap,) * 4
         else:
-            from . import generations
+            from ..tpu import generations
 
             chip = generations.get(generation)
             sizes = (chip.blocks if head_dim <= 128 else chip.blocks_wide_heads) + (chip.kv_compute(head_dim),)

@@ -1,5 +1,5 @@
 """How a call's inputs are sharded under torch_xla SPMD: found once, when the call is validated
-(torchattn.api, into ``Request.sharding``); torchattn/spmd.py cuts the tensors by it.
+(torchattn.api, into ``Request.sharding``); torchattn/spmd/per_device.py cuts the tensors by it.
 
 Where the sharding comes from, first match wins:
 
@@ -30,8 +30,9 @@ import re
 
 import torch
 
-from . import context, device_mesh, internals, once
-from .request import Request
+from . import context, device_mesh
+from .. import internals, once
+from ..call.request import Request
 
 # The dims of q, k, v (batch, heads, seq_len, head_dim) and the names an input's own sharding gets for
 # them when it matches no mesh torchattn knows.
@@ -43,13 +44,13 @@ _TILED = re.compile(r"^\{devices=\[([\d,]+)\]([\d,]+)( last_tile_dim_replicate)?
 class Sharding:
     """How attention's inputs are cut: ``batch``, ``heads`` and ``sequence`` are tuples of axis
     names of ``mesh`` (a ``torch_xla.distributed.spmd.Mesh``); each may be empty. ``balanced``:
-    the sequence is in the dual-chunk order (torchattn.context)."""
+    the sequence is in the dual-chunk order (torchattn.spmd.context)."""
     mesh: object
     batch: tuple[str, ...]
     heads: tuple[str, ...]
     sequence: tuple[str, ...] = ()
     balanced: bool = False
-    # str(mesh), as torchattn/spmd.py's custom ops take the mesh; found once here: torch.compile cannot
+    # str(mesh), as torchattn/spmd/per_device.py's custom ops take the mesh; found once here: torch.compile cannot
     # trace the mesh's NumPy device ids into a string.
     mesh_text: str = dataclasses.field(default="", repr=False, compare=False)
 
@@ -94,7 +95,7 @@ def sharded(mesh, *, batch: str | tuple[str, ...] = (), heads: str | tuple[str, 
 
     ``mesh`` may also be a torch ``DeviceMesh`` (torch.distributed, one process per device: TorchTPU, CPU
     processes): every tensor is then the process's own part already, batch and heads state where that part
-    lies (for dropout), and with ``sequence`` each call gathers the key side along it (torchattn/device_mesh.py).
+    lies (for dropout), and with ``sequence`` each call gathers the key side along it (torchattn/spmd/device_mesh.py).
     """
     if device_mesh.is_device_mesh(mesh):
         names = tuple(mesh.mesh_dim_names or ())
@@ -206,8 +207,8 @@ def _from_global_mesh() -> tuple[Sharding | None, str | None]:
 
 @torch.compiler.assume_constant_result
 def _global_mesh_text() -> str:
-    """str() of the global mesh, as the custom ops of torchattn/spmd.py take it. torch.compile runs this as it
-    traces and keeps the result as a constant: it cannot trace the mesh's NumPy device ids into a string."""
+    """str() of the global mesh, as the custom ops of torchattn/spmd/per_device.py take it. torch.compile runs this as
+    it traces and keeps the result as a constant: it cannot trace the mesh's NumPy device ids into a string."""
     import torch_xla.distributed.spmd as xs
 
     return str(xs.get_global_mesh())

@@ -2,8 +2,8 @@
 
 On a TorchTPU device (tensors of device type "tpu"; the current stack, docs/versions.md) the ``pallas``
 backend runs as on torch_xla: torchattn's autograd Function over its two custom ops
-(torchattn/autograd.py, with fakes, so eager, ``torch.compile`` and ``torch.export`` see one op each way),
-whose bodies (torchattn/kernel_calls.py) pad and lay out the tensors and launch the kernels. Here each
+(torchattn/backends/autograd.py, with fakes, so eager, ``torch.compile`` and ``torch.export`` see one op each way),
+whose bodies (torchattn/backends/kernel_calls.py) pad and lay out the tensors and launch the kernels. Here each
 launch is one of four ops ``torch.tpu.pallas.jax_op`` registers, one per kernel role (torchattn.kernels.ROLES):
 
     torchattn_tpu::forward, ::backward_fused, ::backward_dq, ::backward_dkv
@@ -67,7 +67,7 @@ def ops() -> dict:
     import jax
     import torch_tpu  # noqa: F401
 
-    from .kernels import ROLES, kernel_function
+    from ..kernels import ROLES, kernel_function
 
     def op(role):
         # Annotated: jax_op derives the op's schema from the annotations (tensors vs static arguments).
@@ -93,9 +93,9 @@ def spec_text(spec) -> str:
 @functools.lru_cache(maxsize=None)
 def kernel_spec(text: str):
     """Inverse of :func:`spec_text` (memoised: one spec object per text, so the kernel builders' caches hit)."""
-    from .kernels.arguments import Array
-    from .kernels.common import KernelSpec
-    from .request import Options
+    from ..kernels.arguments import Array
+    from ..kernels.common import KernelSpec
+    from ..call.request import Options
 
     fields = json.loads(text)
     fields["options"] = Options.from_op_arguments(fields["options"])
@@ -112,7 +112,6 @@ def _lowering_chip(spec, device: torch.device):
         return contextlib.nullcontext()
     import jax
 
-    from . import generations
-    from .aot import compiler
+    from ..tpu import compile_only, generations
 
-    return jax.default_device(compiler.device(spec.options.generation or generations.compile_targets()[-1]))
+    return jax.default_device(compile_only.device(spec.options.generation or generations.compile_targets()[-1]))

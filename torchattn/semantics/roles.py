@@ -1,8 +1,8 @@
 """The shape role of a call's tensor: what its dims run along.
 
 The role sets how a tensor is padded and blocked for the kernels (torchattn/kernels/arguments.py) and how it is
-cut under SPMD (torchattn/spmd.py). Every role leads with batch; a tensor with ``heads`` has the heads dim next.
-Plain strings, so the kernels read them without importing torch or the request.
+cut under SPMD (torchattn/spmd/per_device.py). Every role leads with batch; a tensor with ``heads`` has the heads dim
+next. Plain strings, so the kernels read them without importing torch or the request.
 """
 
 Q_ROWS = "per q row"  # (batch, [heads,] q_len, ...)

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import devices, features
-from .block_sizes import BlockSizes
+from ..tpu import devices
+from . import features
+from ..kernels.block_sizes import BlockSizes
 
 if TYPE_CHECKING:
     from .request import Request
@@ -38,14 +39,14 @@ class Key:
     dtype: str  # of q, k, v: "bfloat16", "float32", ...
     q_shape: tuple[int, int, int, int]  # (batch, q_heads, q_len, head_dim)
     k_shape: tuple[int, int, int, int]  # (batch, kv_heads, kv_len, head_dim)
-    # (feature, what the tuned work depends on) of each feature that changes it, as torchattn/features.py
+    # (feature, what the tuned work depends on) of each feature that changes it, as torchattn/call/features.py
     # declares it: whether causal, the window, whether softcap (not its value), the bias's 4-D shape and
     # whether it needs a gradient, ...
     features: tuple[tuple[str, object], ...]
 
     @classmethod
     def of(cls, request: Request) -> Key:
-        """The key of a validated call (torchattn.request.Request)."""
+        """The key of a validated call (torchattn.call.request.Request)."""
         q = request.q
         return cls(device_kind=device_kind(q.device), dtype=str(q.dtype).removeprefix("torch."),
                    q_shape=tuple(q.shape), k_shape=tuple(request.k.shape), features=features.tuned(request))

@@ -2,7 +2,7 @@
 
 A backend either runs a whole call itself (``dense``: its gradients come from autograd through
 torch ops) or is blockwise: a ``forward`` and a ``backward`` the custom ops of
-torchattn/autograd.py run, with torchattn's own autograd.Function around them. The ops'
+torchattn/backends/autograd.py run, with torchattn's own autograd.Function around them. The ops'
 schemas take no functions: they carry the backend's name, and :func:`blockwise` finds the
 object again.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from . import features
-from .request import Request
+from ..call import features
+from ..call.request import Request
 
 _BLOCKWISE: dict[str, Backend] = {}
 
@@ -22,15 +22,15 @@ _BLOCKWISE: dict[str, Backend] = {}
 class Backend:
     """name: what ``backend=`` and :func:`torchattn.explain` call it.
     unavailable(request) -> why it cannot serve ``request`` (device, dtype), None if it can.
-    features: the call features (torchattn/features.py) it serves; a call using any other is refused
+    features: the call features (torchattn/call/features.py) it serves; a call using any other is refused
         (:meth:`refusal`), with ``refusals[name]`` as the reason where given, else the feature's name.
     dense(request) -> (out, lse or None), for a backend that runs the whole call itself; or
     forward(Tensors, Options) -> (out, lse) and
     backward(do, dlse, out, lse, Tensors, Options, wanted) -> {name: gradient}, for a blockwise one
-        (``wanted``: the optional gradients asked for; see torchattn.request.Tensors).
-    per_device: under SPMD it runs on each device's shard (torchattn/spmd.py), not on global tensors.
+        (``wanted``: the optional gradients asked for; see torchattn.call.request.Tensors).
+    per_device: under SPMD it runs on each device's shard (torchattn/spmd/per_device.py), not on global tensors.
     vmem_checked: block sizes that do not fit the TPU generation's VMEM are refused before it runs
-        (torchattn.kernel_calls.check_fits); torchattn.tune searches only the ones that fit.
+        (torchattn.backends.kernel_calls.check_fits); torchattn.tune searches only the ones that fit.
     """
 
     name: str

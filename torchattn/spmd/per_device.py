@@ -8,7 +8,7 @@ bias are cut along batch (e.g. data / fsdp mesh axes) and heads (e.g. a model ax
 q heads and kv heads alike, so GQA groups stay on one device), the kernels see
 per-device shapes, and out, lse and the gradients are put back together as global
 tensors. Dropout stays exact: each shard's dropout key carries its global position
-(torchattn.dropout.keys). The ``xla`` backend is torch ops that GSPMD partitions
+(torchattn.semantics.dropout.keys). The ``xla`` backend is torch ops that GSPMD partitions
 itself: a batch sharding stays per device; heads sharded over an axis are gathered
 inside its loop (warned once; XLA's partitioner rejects that loop in a manual region).
 
@@ -17,14 +17,14 @@ are cut along the sequence too; k, v, the key segment ids and a bias's key side 
 the region whole along it, so GSPMD all-gathers them once per call (MaxText's default,
 cheap for GQA: K/V are the small side), and their gradients leave it summed over the
 sequence shards and cut back to them (a reduce-scatter). The kernels mask by global
-positions, the per-device ``row_offsets`` (torchattn.context), so causal, windows,
+positions, the per-device ``row_offsets`` (torchattn.spmd.context), so causal, windows,
 segment ids crossing shards and dropout are the unsharded call's. ``balanced``: the
 tokens are in the dual-chunk order (torchattn.balanced_order); the gathered keys are
 put back into the natural order on each device. Backends that are not per device would
 run on gathered global tensors, balanced ones with wrong masks: they are refused
 (torchattn.backends.choose).
 
-The sharding itself is found once per call, at validation (torchattn/sharding.py, into
+The sharding itself is found once per call, at validation (torchattn/spmd/sharding.py, into
 ``Request.sharding``). The cuts into and out of the manual-sharding region are custom ops
 (``torchattn::to_local``, ``torchattn::to_global``, ``torchattn::annotate``) taking the mesh as
 its text: a tracer (torch.compile, aot_autograd) sees ops with shapes, not torch_xla's sharded
@@ -38,12 +38,13 @@ import functools
 
 import torch
 
-from . import context, device_mesh, internals, once
-from .block_sizes import BlockSizes
-from .request import Request
-from .roles import KV_ROWS, PAIRS, PER_DEVICE, Q_ROWS
+from . import context, device_mesh
+from .. import internals, once
+from ..kernels.block_sizes import BlockSizes
+from ..call.request import Request
+from ..semantics.roles import KV_ROWS, PAIRS, PER_DEVICE, Q_ROWS
 from .sharding import UNMARKED, Sharding, ways
-from .tiling import SUBLANES
+from ..tpu.tiling import SUBLANES
 
 
 def run(request: Request, attention, *, per_device: bool):
@@ -102,7 +103,7 @@ def local_blocks(blocks: BlockSizes, local: int, kv_len: int, balanced: bool) ->
 
 
 def _local(sharding: Sharding, field, t: torch.Tensor) -> torch.Tensor:
-    """This device's shard of the declared tensor ``field`` (torchattn.request.Tensors): cut along batch
+    """This device's shard of the declared tensor ``field`` (torchattn.call.request.Tensors): cut along batch
     (dim 0), heads (dim 1, for a field with heads) and, for query rows, the sequence; key rows enter
     whole along the sequence (gathered), in the natural order; everything else stays whole."""
     lead = (sharding.batch, sharding.heads) if field.heads else (sharding.batch,)

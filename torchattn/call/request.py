@@ -1,7 +1,7 @@
 """A validated attention call: the tensors plus the static options every backend reads.
 
 :class:`Options`, :class:`Tensors` and :class:`Request` are written out here; the fields that carry a call's
-features are the features' own (torchattn/features.py), in its order, which tests/test_call_declaration.py
+features are the features' own (torchattn/call/features.py), in its order, which tests/test_call_declaration.py
 holds them to. The rest are what every call has.
 """
 
@@ -11,10 +11,11 @@ import dataclasses
 
 import torch
 
-from . import dropout, features
-from .block_sizes import BlockSizes
-from .masks import diagonal_bounds
-from .roles import PER_DEVICE, KV_ROWS, Q_ROWS
+from ..semantics import dropout
+from . import features
+from ..kernels.block_sizes import BlockSizes
+from ..semantics.masks import diagonal_bounds
+from ..semantics.roles import PER_DEVICE, KV_ROWS, Q_ROWS
 
 
 def _same(value):
@@ -46,7 +47,7 @@ class Options:
     each of a type in ``_OP_TYPES``.
     """
 
-    # The features' OPTION fields (torchattn/features.py), in its order.
+    # The features' OPTION fields (torchattn/call/features.py), in its order.
     causal: bool
     scale: float
     window: tuple[int | None, int | None] | None  # (left, right) keys around the diagonal; None: no window
@@ -55,7 +56,8 @@ class Options:
     # Every call's.
     block_sizes: BlockSizes  # the caller's clamped to the lengths, or the default (BlockSizes.default)
     generation: str | None = None  # the TPU generation ("v5e", ...) the kernels' VMEM limit is read from; None off TPU
-    # (global q_len, local rows per half) when q is one device's shard of a sequence-sharded call (torchattn.spmd):
+    # (global q_len, local rows per half) when q is one device's shard of a sequence-sharded call
+    # (torchattn.spmd.per_device):
     # each half of its rows starts at a global position the per-device ``row_offsets`` give; None: rows are global.
     sequence_shard: tuple[int | None, int | None] | None = None
 
@@ -82,7 +84,7 @@ class Options:
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
-    """One field of :class:`Tensors`: its shape role (torchattn/roles.py), whether it has a heads dim,
+    """One field of :class:`Tensors`: its shape role (torchattn/semantics/roles.py), whether it has a heads dim,
     whether its rows hold head_dim features, whether it gets a gradient (an optional one only when it
     requires grad) and whether it may be absent (None). A plain object: torch.compile traces its reads."""
 
@@ -114,14 +116,15 @@ class Tensors:
     q: torch.Tensor  # (batch, q_heads, q_len, head_dim)
     k: torch.Tensor  # (batch, kv_heads, kv_len, head_dim)
     v: torch.Tensor  # (batch, kv_heads, kv_len, head_dim)
-    # The features' TENSOR fields (torchattn/features.py), in its order.
+    # The features' TENSOR fields (torchattn/call/features.py), in its order.
     segment_ids: torch.Tensor | None = None  # int32 (batch, q_len)
     kv_segment_ids: torch.Tensor | None = None  # int32 (batch, kv_len), present whenever segment_ids is
     bias: torch.Tensor | None = None  # 4-D, each dim 1 or the full (batch, q_heads, q_len, kv_len) size
-    # The per-device tables. On the op side dropout_key is int64 (3,) (torchattn.dropout.keys) and row_offsets int64
+    # The per-device tables. On the op side dropout_key is int64 (3,) (torchattn.semantics.dropout.keys) and
+    # row_offsets int64
     # (2,), present iff Options.sequence_shard is: the global position of the first row of each half of this
     # device's q rows. Globally, before SPMD cuts them, each is a (batch shards, head shards, sequence shards, n)
-    # table (torchattn.context.row_offsets).
+    # table (torchattn.spmd.context.row_offsets).
     dropout_key: torch.Tensor | None = None
     row_offsets: torch.Tensor | None = None
 
@@ -149,7 +152,8 @@ class Tensors:
         return [getattr(self, d.name) for d in _DECLARED]
 
     def of_role(self, role: str) -> dict:
-        """{name: tensor} of the present fields of shape ``role`` (torchattn/roles.py), in declaration order."""
+        """{name: tensor} of the present fields of shape ``role`` (torchattn/semantics/roles.py), in declaration
+        order."""
         return {d.name: t for d, t in zip(_DECLARED, self.values()) if d.role == role and t is not None}
 
     def map(self, fn) -> Tensors:
@@ -162,19 +166,19 @@ class Request:
     """Inputs after validation."""
 
     inputs: Tensors  # q, k, v and the features' tensors; no per-device tables (:meth:`tensors` adds them)
-    # The features' REQUEST fields (torchattn/features.py), in its order.
+    # The features' REQUEST fields (torchattn/call/features.py), in its order.
     seed: torch.Tensor | None  # int64 (1,) holding the 32 seed bits, present iff dropout_p > 0
     return_lse: bool
     # Every call's.
     options: Options
-    # How the inputs are sharded under SPMD (torchattn.sharding.resolve): a Sharding, "whole", "unmarked" or None;
+    # How the inputs are sharded under SPMD (torchattn.spmd.sharding.resolve): a Sharding, "whole", "unmarked" or None;
     # found once, at validation, for the backend's choice and its run alike.
     sharding: object = None
 
     def tensors(self, batch_shards: int = 1, head_shards: int = 1, row_offsets: torch.Tensor | None = None) -> Tensors:
         """The call's tensors, global, with the per-device tables of ``batch_shards`` x ``head_shards`` x
         sequence shards: the dropout key's and, for a sequence-sharded call, ``row_offsets``
-        (int64 (sequence shards, 2), torchattn.context.row_offsets)."""
+        (int64 (sequence shards, 2), torchattn.spmd.context.row_offsets)."""
         shards = (batch_shards, head_shards, 1 if row_offsets is None else row_offsets.shape[0])
         tables = {}
         if self.seed is not None:

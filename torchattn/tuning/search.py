@@ -11,11 +11,14 @@ from typing import Callable
 
 import torch
 
-from . import api, backends, generations, kernel_calls, tune_cache
-from .block_sizes import BlockSizes, candidate_pairs
-from .features import pair_inputs
-from .kernels import vmem
-from .types import is_bool, type_name
+from .. import api, backends
+from ..tpu import generations
+from ..backends import kernel_calls
+from ..call import tune_cache
+from ..kernels.block_sizes import BlockSizes, candidate_pairs
+from ..call.features import pair_inputs
+from ..kernels import vmem
+from ..semantics.types import is_bool, type_name
 
 Timer = Callable[[BlockSizes, Callable[[], None]], float]
 _NOT_TAKEN = {"block_sizes": "tune chooses them", "return_lse": "returning the lse does not change the work"}
@@ -32,7 +35,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "a
     window, softcap on/off, segment ids present, the bias's shape and whether it needs a
     gradient, dropout on/off. The backend is not in the key: tune with the backend your
     calls use (on a TPU, ``pallas``). See :func:`torchattn.tuned` and
-    :func:`torchattn.clear_tuned`; the cache file: ``torchattn.tune_cache.path()``.
+    :func:`torchattn.clear_tuned`; the cache file: ``torchattn.call.tune_cache.path()``.
 
     Shapes: those of :func:`torchattn.flash_attention`,
         q: (batch, q_heads, q_len, head_dim); k, v: (batch, kv_heads, kv_len, head_dim).
@@ -43,7 +46,7 @@ def tune(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str = "a
             ("pallas", "xla", "interpret" or "simulated"): tensors on a TPU (torch_xla's or
             TorchTPU's) or another XLA device, or CPU tensors through JAX ("interpret", "simulated").
         candidates: the ``BlockSizes`` to time (each clamped to the lengths). Default: a
-            search over :data:`torchattn.block_sizes.CANDIDATE_SIZES` (128 to 2048) clamped
+            search over :data:`torchattn.kernels.block_sizes.CANDIDATE_SIZES` (128 to 2048) clamped
             to the lengths, on a TPU only blocks whose kernels fit the generation's VMEM
             (``torchattn.kernels.vmem``): first every forward pair with the default
             backward blocks, then every backward pair with the fastest forward pair (two

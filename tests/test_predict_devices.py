@@ -94,7 +94,7 @@ def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, 
     config = transformers.AutoConfig.from_pretrained(llama)
     per_layer = 2 * config.hidden_size ** 2 + 3 * config.hidden_size * config.intermediate_size
     assert gflop * 1e9 >= 2 * 256 * per_layer * config.num_hidden_layers
-    from torchattn.aot import other_stack
+    import train.runtime.other_stack as other_stack
 
     monkeypatch.setattr(other_stack, "python_compiling", lambda generation: None)  # no .venv-current to hand it to
     assert main(["predict", "--model", llama, "--compile-only", "v7x"]) == 2

@@ -256,19 +256,20 @@ def test_a_stablehlo_program_compiles_as_its_jax_function(generation):
 
 
 def test_the_other_environment_compiles_stablehlo_as_this_one(tmp_path, monkeypatch):
-    # .venv hands v7x programs to .venv-current's Python (torchattn.aot.other_stack); here this environment's own
+    # .venv hands v7x programs to .venv-current's Python (train/runtime/other_stack.py); here this environment's own
     # Python stands in for it, on a generation both compile: the subprocess's figures are the in-process ones.
     from torchattn import _versions
-    from torchattn.aot import compile_stablehlo, other_stack
+    import train.runtime.other_stack as other_stack
+    from torchattn.aot import compile_stablehlo
 
     generation = GENERATIONS[-1]
     _, _, text = _stablehlo_step()
-    there = other_stack.compile_stablehlo(text, generation, "there", sys.executable)
+    there = other_stack.compiled_there(text, generation, "there", sys.executable)
     here = compile_stablehlo(text, generation, "here")
     figures = (here.flops, here.temp_bytes, here.argument_bytes)
     assert (there["flops"], there["temp_bytes"], there["argument_bytes"]) == figures
     with pytest.raises(RuntimeError, match="no-such-generation|generation"):
-        other_stack.compile_stablehlo(text, "no-such-generation", "bad", sys.executable)
+        other_stack.compiled_there(text, "no-such-generation", "bad", sys.executable)
 
     # Where a generation this environment's libtpu refuses (.venv: v7x) compiles: in the other stack's
     # environment, once installed, and only on one chip; a generation compiled here, here.

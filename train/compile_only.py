@@ -9,7 +9,8 @@ backward, then the optimizer update with clipping and weight decay) while torcha
 TPU generation (torchattn.tpu.devices.seen_as_tpu: ``auto`` picks the ``pallas`` backend with that
 generation's block sizes, its kernels enter the graph as ``tpu_custom_call``s). The graph's StableHLO
 (loss, updated parameters, gradients and AdamW state) goes to libtpu's compile-only client
-(torchattn.aot.compile_stablehlo), which allocates TPU HBM for it or says it does not fit.
+(torchattn.aot.compile_stablehlo, through train/runtime/other_stack.py where only the other environment's libtpu
+compiles for the chip), which allocates TPU HBM for it or says it does not fit.
 
 Nothing of the step runs and no weight exists: parameters, gradients and optimizer moments are
 torch_xla placeholders (graph arguments without a buffer), so a billion-parameter model traces in
@@ -256,7 +257,7 @@ def step_graph(model_config, config: RunConfig, attn: str, length: int) -> tuple
 
 def compile_row(text: str, donated: int, target: Target, attn: str, length: int) -> Row:
     """The compiler's HBM figures for one step graph, or its refusal with the bytes it needed."""
-    from torchattn.aot import compile_stablehlo
+    from .runtime.other_stack import compile_stablehlo
 
     calls = len(re.findall(r"custom_call @tpu_custom_call\b", text))
     partitions = target.chips if target.mesh else 1  # an SPMD step: one program per chip of the topology

@@ -65,14 +65,9 @@ def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1
                       topology: str | None = None) -> Compiled:
     """Compiles a whole StableHLO program (e.g. a torch_xla graph) on ``generation``; with
     ``partitions`` > 1, an SPMD program (torch_xla under SPMD) for that many chips of ``topology``
-    (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice). On one chip of a
-    generation only the checkout's other environment compiles for (v7x from .venv), that environment
-    compiles it (:mod:`.other_stack`; the result has no executable)."""
-    from . import other_stack
-
-    python = other_stack.compiler_for(generation, one_chip=partitions == 1 and topology is None)
-    if python is not None:
-        return Compiled(**other_stack.compile_stablehlo(text, generation, name, python), executable=None)
+    (a libtpu topology of ``generation`` such as "v5e:4x4"; default its 4-chip slice). ValueError, naming the
+    environment to use, for a generation this environment's libtpu does not compile for (python -m train's
+    --compile-only hands such a program to the other environment: train/runtime/other_stack.py)."""
     chips = topology_devices(topology) if topology is not None else slice_devices(generation)
     if not 1 <= partitions <= len(chips):
         raise ValueError(f"partitions: expected 1 to {len(chips)} (the chips of the compile-only slice "
@@ -95,8 +90,8 @@ def _describe(name, generation, seconds, executable, costs, memory) -> Compiled:
 
 
 def main(argv: list[str]) -> int:
-    """``FILE GENERATION NAME``: compiles the StableHLO in FILE here and prints the figures as one JSON line (what
-    the other environment answers :mod:`.other_stack`)."""
+    """``FILE GENERATION NAME``: compiles the StableHLO in FILE here and prints the figures as one JSON line (how
+    this environment answers the other one's train/runtime/other_stack.py)."""
     path, generation, name = argv
     compiled = compile_stablehlo(Path(path).read_text(), generation, name)
     print(json.dumps({field.name: getattr(compiled, field.name) for field in dataclasses.fields(Compiled)

@@ -27,10 +27,10 @@ import torch
 
 from torchattn.tpu import devices, generations
 from torchattn.tuning import roofline
-from torchattn.aot import other_stack
 
 from .. import compile_only, runtime
 from ..config import ConfigError
+from ..runtime.other_stack import compiler_for
 from ..data.packing import pack_whole
 from . import model
 from .config import PredictConfig
@@ -46,7 +46,7 @@ def run(config: PredictConfig) -> int:
                           "run it with --runtime torch_xla, in .venv (built by `bash scripts/env.sh`)")
     target = compile_only.resolve_target(config.compile_only)
     try:  # before tracing: v7x needs the current stack's libtpu, which compiles here only through its environment
-        other_stack.compiler_for(target.generation, one_chip=target.chips == 1)
+        compiler_for(target.generation, one_chip=target.chips == 1)
     except ValueError as error:
         raise ConfigError(f"--compile-only: {error}") from None
     loaded = model.load(config)

@@ -22,6 +22,9 @@ train/ reads its names here, ``runtime.sync()``, whichever it is. What train/ as
   ``read_shards(state, folder)``;
 - --compile-only (torch_xla): ``placeholder(tensor, spmd)`` (a weight without a buffer) and ``stablehlo(tensors)``.
 
+Beside them, other_stack.py: a program torch_xla traced for --compile-only, compiled by the environment whose
+libtpu compiles for its chip (this one's, or the checkout's other: v7x from .venv).
+
 Here, for either runtime: what --mesh auto means on the devices there are (``resolve_mesh``), and where a run's
 tensors live and which process writes its files (``place``: one device, accelerate's process per chip, or a
 mesh).

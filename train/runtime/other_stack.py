@@ -1,5 +1,5 @@
-"""A StableHLO program compiled by this checkout's other environment: its libtpu compiles for chips this one's
-does not.
+"""A StableHLO program compiled where it compiles: here (torchattn.aot.compile_stablehlo), or by this checkout's
+other environment, whose libtpu compiles for chips this one's does not.
 
 The two environments (docs/versions.md) split what a compile-only run needs: torch_xla, which traces a model's
 step into StableHLO, is only in .venv (torch_xla's stack), and only .venv-current's libtpu (0.0.52) compiles
@@ -17,8 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .. import _versions
-from ..tpu import generations
+from torchattn import _versions
+from torchattn.aot import Compiled
+from torchattn.aot import compile_stablehlo as compile_here
+from torchattn.tpu import generations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +51,18 @@ def compiler_for(generation: str, one_chip: bool) -> str | None:
         return python
 
 
-def compile_stablehlo(text: str, generation: str, name: str, python: str) -> dict:
+def compile_stablehlo(text: str, generation: str, name: str, partitions: int = 1,
+                      topology: str | None = None) -> Compiled:
+    """torchattn.aot.compile_stablehlo's program compiled here, or, on one chip of a generation only the other
+    environment compiles for (v7x from .venv), by that environment (the result has no executable); ValueError
+    naming the environment to use when neither compiles it."""
+    python = compiler_for(generation, one_chip=partitions == 1 and topology is None)
+    if python is None:
+        return compile_here(text, generation, name, partitions=partitions, topology=topology)
+    return Compiled(**compiled_there(text, generation, name, python), executable=None)
+
+
+def compiled_there(text: str, generation: str, name: str, python: str) -> dict:
     """The compiler's figures (torchattn.aot.compiler.Compiled's fields but the executable) for ``text`` compiled
     on one chip of ``generation`` by ``python``'s environment; RuntimeError with the compiler's message when it
     refuses (a program that does not fit says how much it needed)."""

@@ -47,7 +47,11 @@ for balanced in (False, True):
         out = torchattn.flash_attention(*local, bias=local_bias, segment_ids=mine(ids, 1),
                                         kv_segment_ids=mine(ids, 1), **features)
     out.backward(mine(do, 2))
-    print(json.dumps({"balanced": balanced, "out": error(out, mine(out64.detach(), 2)),
-                      **{f"d{name}": error(t.grad, mine(e.grad, 2)) for name, t, e in zip("qkv", local, exact)},
-                      "dbias": error(local_bias.grad, mine(exact[3].grad, 2))}))
+    errors = {"balanced": balanced, "out": error(out, mine(out64.detach(), 2)),
+              **{f"d{name}": error(t.grad, mine(e.grad, 2)) for name, t, e in zip("qkv", local, exact)},
+              "dbias": error(local_bias.grad, mine(exact[3].grad, 2))}
+    # One write per line: both processes share torchrun's stdout, and a pipe keeps a short write whole (print's
+    # separate newline let the two lines interleave).
+    sys.stdout.write(json.dumps(errors) + "\n")
+    sys.stdout.flush()
 dist.destroy_process_group()

@@ -381,14 +381,20 @@ def _stop(signum, frame):
     raise _Stopped(signum)
 
 
+def require_torch_xla(runtime: str) -> None:
+    """ConfigError unless the run's ``runtime`` is torch_xla's: --compile-only traces the step with torch_xla (python
+    -m train and its predict alike)."""
+    if runtime != "torch_xla":
+        raise ConfigError(f"--compile-only: traces the step with torch_xla, which --runtime {runtime} is not: run it "
+                          "with --runtime torch_xla, in .venv (built by `bash scripts/env.sh`)")
+
+
 def run(config: RunConfig) -> int:
     """Compiles the step for every implementation and length, prints the table, writes the CSV; exit status 0, or 1
     when no step compiled. ConfigError on the torch runtime: the step is traced with torch_xla.
     Ctrl-C or SIGTERM stops it with one line on stderr and status 128 + the signal (130, 143), as it
     stops training; the CSV, replaced whole after every row, keeps the rows compiled before."""
-    if config.parallel.runtime != "torch_xla":
-        raise ConfigError(f"--compile-only: traces the step with torch_xla, which --runtime {config.parallel.runtime} "
-                          "is not: run it with --runtime torch_xla, in .venv (built by `bash scripts/env.sh`)")
+    require_torch_xla(config.parallel.runtime)
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return _sweep(config)

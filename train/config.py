@@ -653,7 +653,10 @@ def saved_config(output_dir: str) -> dict[str, Any]:
         raise ConfigError(f"--resume: cannot read {path}: {first_line(error)}") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"--resume: {path} does not hold a run configuration (a JSON object)")
-    return {name: value for name, value in saved.items() if name in FIELDS and name != "resume"}
+    values = {name: value for name, value in saved.items() if name in FIELDS and name != "resume"}
+    # A run saved before the trainer had a second runtime ran on torch_xla's: its checkpoints are that runtime's.
+    values.setdefault("runtime", RUNTIMES[0])
+    return values
 
 
 def is_run_config(path: str) -> bool:

@@ -41,9 +41,7 @@ def run(config: PredictConfig) -> int:
     """Compiles the step, prints its HBM per chip and its time's roofline; exit status 0. ConfigError for a
     topology or generation this environment's libtpu does not compile for, ModelError for a model without the
     task's head; ConfigError on the torch runtime (the step is traced with torch_xla)."""
-    if config.runtime != "torch_xla":
-        raise ConfigError(f"--compile-only: traces the step with torch_xla, which --runtime {config.runtime} is not: "
-                          "run it with --runtime torch_xla, in .venv (built by `bash scripts/env.sh`)")
+    compile_only.require_torch_xla(config.runtime)
     target = compile_only.resolve_target(config.compile_only)
     try:  # before tracing: v7x needs the current stack's libtpu, which compiles here only through its environment
         compiler_for(target.generation, one_chip=target.chips == 1)

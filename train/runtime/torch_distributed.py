@@ -253,13 +253,6 @@ def read_shards(state: dict, folder: str) -> None:
     dcp.load(state, storage_reader=dcp.FileSystemReader(folder))
 
 
-def placeholder(tensor: torch.Tensor, spmd=None):
-    raise ConfigError("--compile-only: traces the step with torch_xla (--runtime torch_xla, in .venv)")
-
-
-stablehlo = placeholder
-
-
 # ------------------------------------------------------------------
 # --mesh
 

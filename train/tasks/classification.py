@@ -241,7 +241,7 @@ class Evaluation:
         self._predictions.append(outputs.logits.argmax(dim=-1))
         self._labels.append(inputs["labels"])
 
-    def result(self, gather=lambda value: value) -> dict[str, float]:
+    def result(self, gather) -> dict[str, float]:
         """``gather(tensor)``: the rows of every process holding others (the torch runtime's mesh). Each batch's
         tensors reach the host one by one: a concatenation on an XLA device would be a graph of its own."""
         predictions = gather(torch.cat([p.cpu() for p in self._predictions])).cpu().numpy()

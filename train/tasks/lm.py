@@ -189,7 +189,7 @@ class Evaluation:
         self._losses.append(outputs.loss * inputs.get("num_items_in_batch", counted))
         self._tokens.append(counted)
 
-    def result(self, gather=lambda value: value) -> dict[str, float]:
+    def result(self, gather) -> dict[str, float]:
         """``gather(tensor)``: the values of every process holding other tokens (the torch runtime's mesh). Each
         batch's value reaches the host alone: a stack on an XLA device would be a graph of its own."""
         nll = gather(torch.stack([t.cpu().double() for t in self._losses])).sum().item()

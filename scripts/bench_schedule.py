@@ -16,7 +16,8 @@ older flash_attention where it has the features (MHA only, no window or softcap)
 blocks; and the peers at their own configuration: where tokamax is installed (.venv-current), Tokamax's
 splash as its op configures it (its committed autotuning entry for the call, else its heuristics: blocks,
 compute block, scheduler, layouts, diagonal skip; its fused backward and the XLA sums after it; with segment
-ids it prunes the tiles pairing different documents, and a row packs DOCUMENTS documents of equal length;
+ids it prunes the tiles pairing different documents, and a row packs DOCUMENTS documents of equal length, which
+torchattn's kernels skip too (their segment blocks: torchattn/kernels/segment_blocks.py);
 torchattn/aot/tokamax_kernels.py), and TorchTPU's ``torch.tpu.ops.splash_sdpa`` ("splash-sdpa"), which runs
 JAX's splash with its fused backward at its own default blocks, 512 everywhere (clamped to the length), with
 grouped kv heads repeated to one per query head (MHA's kernels), and has no segment ids or softcap. A peer's
@@ -107,13 +108,19 @@ def builders(attention, generation: str, blocks) -> dict:
     (a peer's blocks, where they are not ``blocks``, and ``peer_config``); raises ValueError when unsupported."""
     from torchattn.aot import jax_kernels, schedule
 
-    return {"torchattn": lambda: (schedule.torchattn_kernels(attention, generation, blocks), {}),
+    return {"torchattn": lambda: (schedule.torchattn_kernels(attention, generation, blocks,
+                                                             documents=documents_of(attention)), {}),
             "splash": lambda: (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=False), {}),
             "splash-fused": lambda: (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
                                      {}),
             "flash": lambda: (jax_kernels.flash_kernels(attention, generation, blocks), {}),
             "tokamax": lambda: _tokamax_kernels(attention, generation),
             "splash-sdpa": lambda: _splash_sdpa_kernels(attention, generation)}
+
+
+def documents_of(attention) -> list[int] | None:
+    """A row's packed documents' lengths, for the kernels that skip tiles by segment ids (torchattn, Tokamax)."""
+    return [attention.q_len // DOCUMENTS] * DOCUMENTS if attention.segments else None
 
 
 def _tokamax_kernels(attention, generation: str) -> tuple[list, dict]:
@@ -127,7 +134,7 @@ def _tokamax_kernels(attention, generation: str) -> tuple[list, dict]:
 
     (forward, forward_source), (backward, backward_source) = (tokamax_kernels.forward_config(attention, generation),
                                                               tokamax_kernels.backward_config(attention, generation))
-    documents = [attention.q_len // DOCUMENTS] * DOCUMENTS if attention.segments else None
+    documents = documents_of(attention)
     kernels = [tokamax_kernels.forward_kernel(attention, generation, forward, documents=documents),
                *tokamax_kernels.backward_kernels(attention, generation, backward, documents=documents)]
     return kernels, {"block_q": forward.block_q, "block_kv": forward.block_kv, "block_q_bwd": backward.block_q_dkv,

@@ -48,7 +48,7 @@ class Case:
     dtype: torch.dtype = torch.float32
     causal: bool = False
     window: tuple | None = None
-    segments: str | None = None  # None, "padding", "packed", "unmatched" (rows seeing no key)
+    segments: str | None = None  # None, "padding", "packed", "unmatched" (rows seeing no key), "documents"
     softcap: float | None = None
     bias: str | None = None  # None, "full", "broadcast" (1, heads, 1, kv_len)
     bias_dtype: torch.dtype | None = None  # None: the case's dtype
@@ -94,11 +94,33 @@ def _segments(case: Case, g):
             return torch.cumsum(cuts.int(), dim=1)
         ids = packed(sq)
         return ids, (ids if sq == skv else packed(skv))
+    if case.segments == "documents":  # packed rows: documents of 5-70 tokens, then a padding segment (id 0)
+        ids = _documents(b, sq, g)
+        return ids, (ids if sq == skv else _documents(b, skv, g))
     if case.segments == "unmatched":  # some query rows carry an id no key has
         q_ids = torch.randint(0, 3, (b, sq), generator=g)
         kv_ids = torch.randint(0, 2, (b, skv), generator=g)
         return q_ids, kv_ids
     raise ValueError(f"segments: unknown kind {case.segments!r}")
+
+
+def _documents(batch: int, length: int, g) -> torch.Tensor:
+    """int32 (batch, length): documents of 5-70 tokens, ids 1, 2, ... in order, then trailing padding of id 0 of
+    up to a fifth of the row; the second row's ids are shuffled (each document stays contiguous), so its ids are
+    not sorted."""
+    rows = []
+    for row in range(batch):
+        lengths = torch.randint(5, 71, (length,), generator=g)
+        used = int(length - torch.randint(0, length // 5 + 1, (1,), generator=g))
+        starts = torch.cumsum(lengths, 0) - lengths
+        ids = torch.zeros(length, dtype=torch.int32)
+        for doc, start in enumerate(starts[starts < used].tolist()):
+            ids[start:used] = doc + 1
+        if row % 2:
+            order = torch.randperm(int(ids.max()) + 1, generator=g)
+            ids = torch.where(ids > 0, order[ids.long()].int() + 1, 0)
+        rows.append(ids)
+    return torch.stack(rows)
 
 
 def floors(magnitude: float, case_magnitude: float, head_dim: int, dtype: torch.dtype) -> tuple[float, float]:

@@ -173,6 +173,8 @@ def test_sequence_too_long_for_hbm_exit_1_with_the_compilers_reason():
     ("--head-dim", "300", "head_dim: expected <= 256, got 300"),  # flash_attention's own limit and words
     ("--head-dim", "600", "head_dim: expected <= 256, got 600"),
     ("--window", "-5,3", "window: expected left to be an int >= 0 or None, got -5"),
+    ("--documents", "30,x", "expected positive lengths"),
+    ("--documents", "30*2", "summing to q_len = kv_len (64, 64), got 2 lengths summing to 60"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(flag, value, says, capsys):
     argv = ["--generation", "v5e", "--q-heads", "32", "--seq-len", "64", "--head-dim", "64"]
@@ -206,3 +208,17 @@ def test_window_as_two_words():
     args = parse_args(["--generation", "v5e", "--q-heads", "2", "--seq-len", "64", "--head-dim", "64",
                        "--window", "16,0", "--causal"])
     assert args.window == (16, 0) and args.causal
+
+
+def test_documents_print_the_visited_share_of_tiles_beside_the_masks(capsys):
+    result = run_main(capsys, "--generation", "v5e", "--q-heads", "2", "--seq-len", "1024", "--head-dim", "128",
+                      "--causal", "--documents", "300,200*3,124", "--block-q", "128", "--block-kv", "128",
+                      "--block-q-bwd", "128", "--block-kv-bwd", "128")
+    assert result.returncode == 0, result.stderr
+    assert "segments=True" in result.stdout
+    line = next(line for line in result.stdout.splitlines() if "tiles visited" in line)
+    assert line.startswith("v5e: tiles visited, 5 documents of 124-300 tokens: forward ")
+    shares = [share.split(" (mask ") for share in line.split(": ", 2)[2].split(", ")]
+    assert [share[0].split()[0] for share in shares] == ["forward", "backward_fused"]
+    for share in shares:  # sorted ids, causal: the kernels visit exactly the tiles the mask leaves
+        assert share[0].split()[1] == share[1].rstrip(")")

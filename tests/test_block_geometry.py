@@ -11,6 +11,7 @@ kernels' index maps. CPU only, no compiler.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 
@@ -19,7 +20,9 @@ import pytest
 
 from brute_force import sees
 from torchattn.semantics import masks
+from torchattn.kernels.arguments import KEY_LENGTH
 from torchattn.kernels.block_geometry import BlockGeometry
+from torchattn.kernels.segment_blocks import SegmentBlocks, block_table
 
 LENGTHS = (1, 7, 16, 33)  # q_len != kv_len both ways, non-multiples of every block, shorter than a block
 BLOCKS = (3, 8, 16, 64)
@@ -194,3 +197,97 @@ def test_element_mask_padding_and_segments():
         want[:q_len, :kv_len] = [[sees(i, j, q_len=q_len, kv_len=kv_len, causal=causal, window=window,
                                        q_id=q_ids[i], kv_id=kv_ids[j]) for j in range(kv_len)] for i in range(q_len)]
         assert (got == want).all(), f"causal={causal}, window={window}"
+
+
+# Packed documents: segment ids skip the tiles whose blocks' ids cannot meet (kernels/segment_blocks.py), the
+# table built in NumPy as the cost estimate builds it from a layout.
+SEGMENT_MASKS = [(False, None), (True, None), (False, (5, 2)), (True, (9, 0))]
+
+
+def documents(length: int, rng, ordered: bool) -> np.ndarray:
+    """Documents of 1-12 tokens, ids increasing, then padding: a segment of its own, with the next id (sorted
+    ids), or, ``ordered`` False, the documents' ids shuffled and the padding id 0."""
+    ids = np.repeat(np.arange(1, length + 1), rng.integers(1, 13, length))[:length]
+    ids[length - rng.integers(0, length // 4 + 1):] = ids.max() + 1
+    if not ordered:
+        ids = np.where(ids == ids.max(), 0, rng.permutation(ids.max() + 1)[ids])
+    return ids
+
+
+def with_segments(g: BlockGeometry, q_ids: np.ndarray, kv_ids: np.ndarray) -> BlockGeometry:
+    """``g`` for batch row 0 of a layout: its table after the prefetched key's own entries."""
+    q_blocks, kv_blocks = -(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)
+    padded = [np.pad(ids, (0, blocks * block - len(ids)))[None]
+              for ids, blocks, block in ((q_ids, q_blocks, g.block_q), (kv_ids, kv_blocks, g.block_kv))]
+    table = block_table(*padded, q_len=g.q_len, kv_len=g.kv_len, block_q=g.block_q, block_kv=g.block_kv, xp=np)
+    key = np.concatenate([np.zeros(KEY_LENGTH, np.int32), table])
+    return dataclasses.replace(g, segments=SegmentBlocks(key, 0, q_blocks, kv_blocks))
+
+
+def segment_combinations(causal, window, ordered: bool, lengths=(9, 40, 57), same_lengths: bool = False):
+    """(geometry with a layout, tiles seen by brute force) over lengths and blocks, fresh layouts each; a
+    call of equal lengths is one packed row (the keys' ids are the queries')."""
+    rng = np.random.default_rng(int(ordered))
+    for q_len, kv_len, block_q, block_kv in itertools.product(lengths, lengths, (4, 8, 16), (4, 8, 16)):
+        if same_lengths and q_len != kv_len:
+            continue
+        q_ids = documents(q_len, rng, ordered)
+        kv_ids = q_ids if q_len == kv_len else documents(kv_len, rng, ordered)
+        seen = np.array([[sees(i, j, q_len=q_len, kv_len=kv_len, causal=causal, window=window, q_id=q_ids[i],
+                               kv_id=kv_ids[j]) for j in range(kv_len)] for i in range(q_len)], dtype=bool)
+        g = with_segments(geometry(q_len, kv_len, block_q, block_kv, causal, window), q_ids, kv_ids)
+        yield g, tiles_seen(seen, block_q, block_kv)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_packed_row_with_sorted_ids_skips_exactly_the_tiles_without_a_visible_pair_and_fetches_no_other(causal):
+    """One packed row (queries and keys the same tokens), ids sorted: two blocks' id ranges meet exactly when
+    they share a document, and, causal, one of its keys at or before one of its queries."""
+    for g, seen in segment_combinations(causal, None, ordered=True, same_lengths=True):
+        q_block, kv_block = np.indices(seen.shape)
+        got = np.broadcast_to(g.visible(q_block, kv_block, np), seen.shape)
+        assert (got == seen).all(), f"{g.q_len}x{g.kv_len}: visible\n{got.astype(int)}\nbrute force\n{seen.astype(int)}"
+        fetched = np.broadcast_to(g.fetched_kv_block(q_block, kv_block, np), seen.shape)
+        for i in range(seen.shape[0]):
+            check_fetch_walk(fetched[i], seen[i], f"q block {i}")
+        fetched = np.broadcast_to(g.fetched_q_block(kv_block.T, q_block.T, np), seen.T.shape)
+        for j in range(seen.shape[1]):
+            check_fetch_walk(fetched[j], seen[:, j], f"kv block {j}")
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("causal, window", SEGMENT_MASKS)
+def test_any_layout_never_skips_a_visible_pair_and_fetches_each_kept_block_at_its_step(causal, window, ordered):
+    """Unsorted ids, queries and keys of different rows, or a window: ranges may meet where no visible pair is,
+    so a tile may be kept with none (computed, all masked), never skipped with one; each row of tiles still
+    walks forward and fetches every tile it keeps at its own step."""
+    kept_without_a_pair = 0
+    for g, seen in segment_combinations(causal, window, ordered):
+        q_block, kv_block = np.indices(seen.shape)
+        got = np.broadcast_to(g.visible(q_block, kv_block, np), seen.shape)
+        assert (got | ~seen).all(), f"{g.q_len}x{g.kv_len}: skips a visible tile"
+        kept_without_a_pair += int((got & ~seen).sum())
+        for fetched, kept in ((np.broadcast_to(g.fetched_kv_block(q_block, kv_block, np), seen.shape), got),
+                              (np.broadcast_to(g.fetched_q_block(kv_block.T, q_block.T, np), seen.T.shape), got.T)):
+            steps = np.arange(fetched.shape[1])
+            assert ((0 <= fetched) & (fetched < fetched.shape[1])).all()
+            assert (fetched[kept] == np.broadcast_to(steps, fetched.shape)[kept]).all()
+            assert (np.diff(fetched, axis=1) >= 0).all()
+    assert kept_without_a_pair > 0  # the layouts do exercise it
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_fused_dq_partials_each_visible_tile_its_own_written_slot(ordered):
+    """The fused backward writes each visible tile's dq partial to its own slot of its query block, marks exactly
+    those slots written, and leaves the spare slot (the skipped steps') to no visible tile."""
+    for causal, window in SEGMENT_MASKS:
+        for g, _ in segment_combinations(causal, window, ordered):
+            q_block, kv_block = np.indices((-(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)))
+            visible = np.broadcast_to(g.visible(q_block, kv_block, np), q_block.shape)
+            slots = np.broadcast_to(g.dq_partial_slot(kv_block, q_block, np), q_block.shape)
+            written = g.dq_partial_written(np)
+            assert written.shape == (g.dq_partial_slots, q_block.shape[0])
+            for i in range(q_block.shape[0]):
+                mine = slots[i][visible[i]]
+                assert len(set(mine.tolist())) == len(mine) and (mine < g.dq_partial_slots - 1).all()
+                assert written[mine, i].all() and written[:, i].sum() == len(mine)

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from .. import api
 from ..tpu import generations
 from ..kernels.block_sizes import MULTIPLES, BlockSizes
 from ..kernels import vmem
-from . import schedule
+from . import documents, schedule
 from .attention import BACKWARDS, Attention, compile_attention
 from .flags import FLAGS
 
@@ -48,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "compiles for (v7x: .venv-current only)")
     parser.add_argument("--schedule", action="store_true",
                         help="report each kernel's compiled schedule and the time it estimates (not a TPU timing)")
+    parser.add_argument("--documents", type=_parsed(documents.parse), metavar="LAYOUT",
+                        help="packed documents' lengths, one row's (e.g. 300,512*4,90, or a file of them), summing "
+                             "to --seq-len = --kv-len; implies --segments: the schedule counts the tiles their segment "
+                             "ids leave, and the visited share of tiles is printed beside the mask's own")
     parser.add_argument("--backward", choices=BACKWARDS, default="auto",
                         help="auto: the backward a call gets; fused: one kernel and a sum of dq partials; "
                              "split: the dq and dk/dv kernels")
@@ -76,6 +81,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.kv_heads = args.q_heads
     if args.q_heads % args.kv_heads:
         parser.error(f"argument --kv-heads: expected a divisor of --q-heads ({args.q_heads}), got {args.kv_heads}")
+    if args.documents is not None:
+        args.segments = True
+        try:
+            attention_from(args).document_ids(args.documents)
+        except ValueError as error:
+            parser.error(f"argument --documents: {error}")
     return args
 
 
@@ -186,6 +197,21 @@ def format_table(header: list[str], body: list[list[str]]) -> str:
                      for row in [header, *body])
 
 
+def visited_line(attention: Attention, generation: str, blocks: BlockSizes, kernels: list, lengths: list[int]) -> str:
+    """The share of each kernel's grid steps that compute a tile, for one packed layout, beside the share of
+    tiles holding a pair the mask lets through (documents.mask_block_density, at the kernel's blocks)."""
+    shares = []
+    for kernel in kernels:
+        if not kernel.grid:  # an XLA op
+            continue
+        block_q, block_kv = ((blocks.block_q, blocks.block_kv) if kernel.name == "forward"
+                             else (blocks.block_q_bwd, blocks.block_kv_bwd))
+        density = documents.mask_block_density(attention, lengths, block_q, block_kv)
+        shares.append(f"{kernel.name} {kernel.visible_steps / math.prod(kernel.grid):.1%} (mask {density:.1%})")
+    return (f"{generation}: tiles visited, {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens: "
+            + ", ".join(shares))
+
+
 def first_line(error: Exception) -> str:
     """The line of a compiler error that says what went wrong (the rest lists allocations or IR)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
@@ -205,13 +231,15 @@ def main(argv=None) -> int:
         except ValueError as error:  # a generation only the other stack's libtpu compiles for
             print(f"torchattn.aot: {error}", file=sys.stderr)
             return 1
-    body, failures = [], []
+    body, failures, visited = [], [], []
     for generation in names:
         blocks = block_sizes(args, attention, generation)
         try:
+            kernels = schedule.torchattn_kernels(attention, generation, blocks, args.backward, args.documents)
+            if args.documents is not None:
+                visited.append(visited_line(attention, generation, blocks, kernels, args.documents))
             if args.schedule:
-                body += schedule_rows(generation, blocks, schedule.measure(
-                    schedule.torchattn_kernels(attention, generation, blocks, args.backward), generation))
+                body += schedule_rows(generation, blocks, schedule.measure(kernels, generation))
             else:
                 operands = attention.vmem_operands()
                 estimates = {**vmem.needs(operands, blocks), vmem.FUSED: vmem.kernel_bytes(
@@ -227,6 +255,8 @@ def main(argv=None) -> int:
             for generation in sorted({row[0] for row in body} & set(ERROR_BARS)):
                 print(ERROR_BARS[generation])
         print(format_table(SCHEDULE_HEADER if args.schedule else HEADER, body))
+    for line in visited:
+        print(line)
     for failure in failures:
         print(failure, file=sys.stderr)
     return 1 if failures else 0

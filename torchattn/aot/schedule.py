@@ -211,17 +211,27 @@ def _paths(kernel: Kernel, schedule: schedule_dump.Schedule, step: list[int],
             + [(kernel.idle_steps, common)] * bool(kernel.idle_steps))
 
 
-def torchattn_kernels(attention, generation: str, block_sizes=None, backward: str = "auto") -> list[Kernel]:
+def torchattn_kernels(attention, generation: str, block_sizes=None, backward: str = "auto",
+                      documents=None) -> list[Kernel]:
     """torchattn's kernels of ``attention`` (a torchattn.aot.Attention) on ``generation``, block sizes and
     ``backward`` as ``compile_attention`` takes them. Useful FLOPs count the query-key pairs the
-    causal/window band leaves (segment ids are data: all pairs count), at the true head_dim: forward 2
-    matmuls, dq 3, dk/dv 4, fused 5. A step's DMA bytes are the kernel's cost estimate's HBM bytes
-    (torchattn/kernels/cost.py: skipped tiles move nothing) over its visible steps. The fused backward's
-    dq reduction is an XLA op (grid ()): it reads every partial slot and writes dq."""
+    causal/window band leaves, at the true head_dim: forward 2 matmuls, dq 3, dk/dv 4, fused 5. A step's DMA
+    bytes are the kernel's cost estimate's HBM bytes (torchattn/kernels/cost.py: skipped tiles move nothing)
+    over its visible steps. The fused backward's dq reduction is an XLA op (grid ()): it reads every partial
+    slot and writes dq.
+
+    Segment ids are data. Without ``documents`` every tile the band leaves counts, and every pair. With
+    ``documents`` (the packed documents' lengths, one row for every batch row: Attention.document_ids), the
+    tiles are those their block table leaves (kernels/segment_blocks.py), the useful pairs those within a
+    document, and each skipped grid step counts as an idle step: the step's work outside its tile paths (the
+    index maps, the scalar reads of the table), which the kernels' static grid still runs."""
     import numpy as np
 
     from ..kernels import arguments, cost
+    from ..kernels.segment_blocks import layout_key
     from .attention import kernel_functions
+
+    ids = None if documents is None else attention.document_ids(documents)
 
     kernels = []
     for name, fn, structs, spec in kernel_functions(attention, generation, block_sizes, backward):
@@ -232,48 +242,55 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
                                                                     + arguments.ITEMSIZE[spec.dtype]),
                                   useful_flops=0.0))
             continue
+        blocks = spec.blocks if ids is None else spec.geometry(layout_key(spec, ids, ids), 0)
         q_blocks, kv_blocks = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
-        visible = attention.batch * attention.q_heads * int(spec.blocks.visible(q_blocks, kv_blocks, np).sum())
+        visible = attention.batch * attention.q_heads * int(blocks.visible(q_blocks, kv_blocks, np).sum())
         kv_grid = (spec.batch, spec.kv_heads, spec.num_kv_blocks, spec.groups * spec.num_q_blocks)
         grid, estimate, matmuls = {
             "forward": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
-                        cost.forward_cost(spec), 2),
+                        cost.forward_cost(spec, blocks), 2),
             "backward_dq": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
-                            cost.dq_cost(spec, spec.score_grad), 3),
-            "backward_dkv": (kv_grid, cost.dkv_cost(spec), 4),
-            "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad), 5)}[name]
-        pairs = attention.batch * attention.q_heads * _band_pairs(attention)
+                            cost.dq_cost(spec, spec.score_grad, blocks), 3),
+            "backward_dkv": (kv_grid, cost.dkv_cost(spec, blocks), 4),
+            "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad, blocks), 5)}[name]
+        pairs = attention.batch * attention.q_heads * _band_pairs(attention, documents)
+        path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks)
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
-                              useful_flops=2.0 * matmuls * pairs * attention.head_dim,
-                              path_steps=_path_steps(spec, spec.score_grad and name in WRITES_DS)))
+                              useful_flops=2.0 * matmuls * pairs * attention.head_dim, path_steps=path_steps,
+                              idle_steps=0 if ids is None else math.prod(grid) - sum(path_steps)))
     return kernels
 
 
 WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
-def _path_steps(spec, zeroed_skips: bool) -> tuple[int, ...]:
+def _path_steps(spec, zeroed_skips: bool, layout=None) -> tuple[int, ...]:
     """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles,
     masked ones, the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds), the skipped tiles
-    whose ds is zeroed; () for a kernel with one path and nothing else predicated per step."""
+    whose ds is zeroed; () for a kernel with one path and nothing else predicated per step. ``layout``: a
+    geometry over segment ids' block table, whose skipped tiles are the idle steps (a tile's path is then
+    predicated on data, a region of the schedule however many paths there are)."""
     import numpy as np
 
     from ..kernels import common
 
-    kinds = common.tile_kinds(spec)
-    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips:
+    kinds = common.tile_kinds(spec, layout)
+    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips and layout is None:
         return ()
     visible = np.logical_or.reduce(list(kinds.values()))
     counts = [int(tiles.sum()) for tiles in kinds.values()] + ([int((~visible).sum())] if zeroed_skips else [])
     return tuple(spec.batch * spec.q_heads * n for n in counts)
 
 
-def _band_pairs(attention) -> int:
-    """Query-key pairs of one (batch, head) slice inside the causal/window band."""
+def _band_pairs(attention, documents=None) -> int:
+    """Query-key pairs of one (batch, head) slice inside the causal/window band, and within one of
+    ``documents`` (their lengths, packed in order: the band is the same within each, queries and keys aligned)."""
     from ..semantics import masks
 
     left, right = masks.diagonal_bounds(attention.causal, attention.window)
+    if documents is not None:
+        return sum(int(masks.keys_per_query(n, n, left=left, right=right).sum()) for n in documents)
     return int(masks.keys_per_query(attention.q_len, attention.kv_len, left=left, right=right).sum())
 
 

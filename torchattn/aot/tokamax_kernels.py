@@ -299,22 +299,13 @@ def _made(attention, generation, blocks: BlockSizes, splash_config, residuals):
 def _refined(info, attention: Attention, documents, block_q: int, block_kv: int, is_dkv: bool):
     """``info`` as the kernel runs it: with segment ids, pruned by Tokamax's own refinement with the ids of
     ``documents`` (their lengths, packed in order, in every row; queries and keys alike)."""
-    if not attention.segments:
-        if documents is not None:
-            raise ValueError(f"documents: a layout of segment ids, for a call with segments; this call has none "
-                             f"(got {documents})")
+    if not attention.segments and documents is None:
         return info
     import jax.numpy as jnp
     from tokamax._src.ops.experimental.tpu.splash_attention import base
     from tokamax._src.ops.experimental.tpu.splash_attention import splash_attention_kernel as splash
 
-    lengths = list(documents or ())
-    if (attention.q_len != attention.kv_len or not lengths
-            or not all(isinstance(n, int) and n > 0 for n in lengths) or sum(lengths) != attention.q_len):
-        raise ValueError(f"documents: {TOKAMAX} prunes tiles by the segment ids' ranges, so its grid needs their "
-                         f"layout: expected positive lengths summing to q_len = kv_len "
-                         f"({attention.q_len}, {attention.kv_len}), got {documents}")
-    ids = jnp.asarray(np.repeat(np.arange(len(lengths), dtype=np.int32), lengths))
+    ids = jnp.asarray(attention.document_ids(documents))
     refined, _, _ = splash._refine_mask_info_with_segments(
         info, base.SegmentIds(ids, ids), q_blocks=attention.q_len // block_q, kv_blocks=attention.kv_len // block_kv,
         bq=block_q, bkv=block_kv, is_dkv=is_dkv)

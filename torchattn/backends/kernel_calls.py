@@ -168,11 +168,12 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
     if fused(spec):
-        partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
-                    torch.float32)
-        dk, dv, partials, *ds = runtimes.call("backward_fused", spec, kernel_args,
-                                              [kv_shape, kv_shape, partials, *ds_shape])
-        dq = sum_dq_partials(spec, partials).to(q.dtype)
+        slots = spec.blocks.dq_partial_slots
+        partials = ((spec.batch, spec.q_heads, slots, spec.q_pad, spec.head_dim), torch.float32)
+        written = ((spec.batch, slots, spec.num_q_blocks), torch.int32)
+        dk, dv, partials, written, *ds = runtimes.call("backward_fused", spec, kernel_args,
+                                                       [kv_shape, kv_shape, partials, written, *ds_shape])
+        dq = sum_dq_partials(spec, partials, written).to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
         dq, *ds = runtimes.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
@@ -187,9 +188,9 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     return grads
 
 
-def sum_dq_partials(spec, partials: torch.Tensor) -> torch.Tensor:
-    """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials (kernels/backward.py,
-    fused_call): the sum over each query block's slots that hold one; the others were never written."""
-    written = torch.from_numpy(spec.blocks.dq_partial_written()).to(partials.device)
-    rows = written.repeat_interleave(spec.block_q, dim=1)  # (slots, q_pad)
-    return torch.where(rows[:, :, None], partials, 0.0).sum(dim=2)
+def sum_dq_partials(spec, partials: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
+    """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials and its ``written`` slots
+    (kernels/backward.py, fused_call): the sum over each query block's slots that hold one; the others were never
+    written."""
+    rows = written.bool().repeat_interleave(spec.block_q, dim=2)  # (batch, slots, q_pad)
+    return torch.where(rows[:, None, :, :, None], partials, 0.0).sum(dim=2)

@@ -107,7 +107,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     ds_ref = refs.pop(0) if with_ds else None
     (dq_acc,) = refs
     batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
-    visible = spec.geometry(key_ref).visible(q_block, kv_block, jnp)
+    visible = spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp)
 
     @pl.when(kv_block == 0)
     def _init():
@@ -149,7 +149,7 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    visible = spec.geometry(key_ref).visible(q_block, kv_block, jnp)
+    visible = spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp)
 
     def tile(masked: bool, rows=slice(0, None), cols=slice(0, None)):
         q, k, do = inputs["q"][rows, :], inputs["k"][cols, :], inputs["do"][rows, :]
@@ -240,20 +240,31 @@ def dkv_call(spec: KernelSpec):
 @functools.lru_cache(maxsize=None)
 def fused_call(spec: KernelSpec, with_ds: bool):
     """jax function (dropout_key, q, k, v, do, lse, delta, [segment_ids, kv_segment_ids], [bias]) ->
-    (dk, dv, dq partials, [ds]).
+    (dk, dv, dq partials, written, [ds]).
 
     dq partials: float32 (batch, q_heads, ``spec.blocks.dq_partial_slots``, q_pad, head_dim), slot s of
-    query block i the partial of the s-th key block it sees, for s < ``spec.blocks.kv_blocks_seen(i)``
-    (others unwritten: :func:`dq_partial_mask`); ds as :func:`dq_call` writes it. Memoised per spec.
+    query block i the partial of the s-th key block of its run; written: int32 (batch, slots, q blocks), 1 where
+    a slot holds a partial (BlockGeometry.dq_partial_written: the segment ids decide it, so it is data; the
+    others are never written); ds as :func:`dq_call` writes it. Memoised per spec.
     """
-    return _kv_grid_call(spec, fused=True, with_ds=with_ds)
+    kernel = _kv_grid_call(spec, fused=True, with_ds=with_ds)
+
+    def run(key, *arrays):
+        dk, dv, partials, *ds = kernel(key, *arrays)
+        rows = jnp.arange(spec.batch)[:, None, None]
+        written = spec.geometry(common.prefetched_key(spec, key, arrays), rows).dq_partial_written(jnp)
+        shape = (spec.batch, spec.blocks.dq_partial_slots, spec.num_q_blocks)
+        return (dk, dv, partials, jnp.broadcast_to(written, shape).astype(jnp.int32), *ds)
+
+    return run
 
 
 def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
     bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
 
-    def coords(b, hk, j, t, key_ref):  # t walks (query head in the group, query block); skipped steps re-use
-        return b, hk * g + t // nq, hk, spec.geometry(key_ref).fetched_q_block(j, t % nq, jnp), j  # a fetched block
+    def coords(b, hk, j, t, key_ref):  # t walks (query head in the group, query block)
+        # skipped steps re-use a fetched block
+        return b, hk * g + t // nq, hk, spec.geometry(key_ref, b).fetched_q_block(j, t % nq, jnp), j
 
     in_specs = block_specs(spec, coords, backward=True)
     kv_shape = jax.ShapeDtypeStruct((spec.batch, spec.kv_heads, spec.kv_pad, d), jnp.dtype(spec.dtype))
@@ -262,7 +273,8 @@ def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
     if fused:
         slots = spec.blocks.dq_partial_slots
         out_specs.append(pl.BlockSpec((None, None, None, bq, d), lambda b, hk, j, t, key_ref: (
-            b, hk * g + t // nq, spec.blocks.dq_partial_slot(j, t % nq, jnp), coords(b, hk, j, t, key_ref)[3], 0)))
+            b, hk * g + t // nq, spec.geometry(key_ref, b).dq_partial_slot(j, t % nq, jnp),
+            coords(b, hk, j, t, key_ref)[3], 0)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, slots, spec.q_pad, d), jnp.float32))
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, hk, j, t, key_ref: (

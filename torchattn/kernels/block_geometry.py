@@ -1,9 +1,9 @@
 """The visible band on (block_q x block_kv) tiles: which tiles the kernels compute, which blocks they fetch.
 
-A tile none of whose (query, key) pairs is visible (:func:`torchattn.semantics.masks.visible`
-without segment ids, which are data) is skipped: its compute sits under
-``pl.when`` and its index map fetches a block already in VMEM, so it costs no
-DMA either. The same code runs in the kernels' index maps and ``pl.when``
+A tile none of whose (query, key) pairs is visible by the band (:func:`torchattn.semantics.masks.visible`
+without segment ids), or whose blocks' segment ids cannot meet (``segments``: kernels/segment_blocks.py, data read
+from the prefetched key), is skipped: its compute sits under ``pl.when`` and its index map fetches a block already
+in VMEM, so it costs no DMA either. The same code runs in the kernels' index maps and ``pl.when``
 (``xp=jax.numpy``, traced block indices) and on the host in NumPy (``xp=numpy``,
 for the cost estimate): ``xp`` is the array module whose ``minimum`` and
 ``maximum`` to use.
@@ -27,6 +27,7 @@ import dataclasses
 import numpy as np
 
 from ..semantics import masks
+from .segment_blocks import SegmentBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,12 @@ class BlockGeometry:
     global_q_len: int | None = None  # the queries the band is laid over; None: q_len (rows are global)
     half: int | None = None
     offsets: tuple | None = None  # (global row of local row 0, of local row ``half``); None: rows are global
+    segments: SegmentBlocks | None = None  # the call has segment ids; their block table, where known
+
+    @property
+    def band_only(self) -> "BlockGeometry":
+        """The same launch without its segment table: what is known before any data."""
+        return dataclasses.replace(self, segments=None)
 
     def transposed(self) -> "BlockGeometry":
         """Keys as rows: key j, on the diagonal at j' = j + (q_len - kv_len), sees query i iff
@@ -54,7 +61,8 @@ class BlockGeometry:
         if self.offsets is not None:
             raise NotImplementedError("a sequence shard's queries are two runs of rows: keys as rows see no band")
         return BlockGeometry(q_len=self.kv_len, kv_len=self.q_len, block_q=self.block_kv, block_kv=self.block_q,
-                             left=self.right, right=self.left)
+                             left=self.right, right=self.left,
+                             segments=self.segments and self.segments.transposed())
 
     def row_shift(self, q_block):
         """Global row minus local row for the rows of query block ``q_block`` (0 without offsets); operators
@@ -73,7 +81,8 @@ class BlockGeometry:
         """Whether some (query, key) pair of the tile is visible; False tiles are skipped."""
         first, last = self._keys_seen(q_block, xp)
         kv_start = kv_block * self.block_kv  # the tile's keys [kv_start, kv_start + block_kv) meet [first, last]
-        return (first < kv_start + self.block_kv) & (kv_start <= last)
+        band = (first < kv_start + self.block_kv) & (kv_start <= last)
+        return band if self.segments is None else band & self.segments.meet(q_block, kv_block)
 
     @property
     def every_tile_full(self) -> bool:
@@ -114,10 +123,8 @@ class BlockGeometry:
         skipped step repeats the previous index and issues no DMA. A query block
         that sees nothing fetches one block throughout.
         """
-        first, last = self._keys_seen(q_block, xp)
-        first_block = first // self.block_kv
-        last_block = xp.maximum(first_block, last // self.block_kv)  # last < 0 when nothing is seen
-        return xp.minimum(xp.maximum(kv_block, first_block), last_block)
+        first_block, last_block = self._kv_block_run(q_block, xp)
+        return xp.minimum(xp.maximum(kv_block, first_block), xp.maximum(first_block, last_block))
 
     def fetched_q_block(self, kv_block, q_block, xp):
         """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``q_block``.
@@ -128,23 +135,31 @@ class BlockGeometry:
 
     def kv_blocks_seen(self, q_block, xp):
         """How many key blocks query block ``q_block`` sees: a run from its first (:meth:`fetched_kv_block`)."""
-        first, last = self._keys_seen(q_block, xp)
-        return xp.maximum(last // self.block_kv - first // self.block_kv + 1, 0)
+        first_block, last_block = self._kv_block_run(q_block, xp)
+        return xp.maximum(last_block - first_block + 1, 0)
 
     @property
     def dq_partial_slots(self) -> int:
-        """Slots per query block of the fused backward's dq partials: one per key block of the longest run a
-        query block sees, and a spare one written by the steps of key blocks no query block sees."""
+        """Slots per query block of the fused backward's dq partials, static: one per key block of the longest
+        run a query block sees by the band, and a spare one written by the skipped steps of key blocks no query
+        block sees, or (with segment ids, data) may not see."""
+        band = self.band_only
         q_blocks = np.arange(-(-self.q_len // self.block_q))
         kv_blocks = np.arange(-(-self.kv_len // self.block_kv))
-        seen = self.visible(q_blocks[:, None], kv_blocks[None, :], np)
-        return int(self.kv_blocks_seen(q_blocks, np).max()) + int(not seen.any(axis=0).all())
+        seen = band.visible(q_blocks[:, None], kv_blocks[None, :], np)
+        spare = self.segments is not None or not seen.any(axis=0).all()
+        return int(band.kv_blocks_seen(q_blocks, np).max()) + int(spare)
 
-    def dq_partial_written(self) -> np.ndarray:
-        """bool (dq_partial_slots, q blocks): which slots of each query block hold a dq partial."""
-        q_blocks = np.arange(-(-self.q_len // self.block_q))
-        seen = np.broadcast_to(self.kv_blocks_seen(q_blocks, np), q_blocks.shape)  # a scalar without a band
-        return np.arange(self.dq_partial_slots)[:, None] < seen[None, :]
+    def dq_partial_written(self, xp=np):
+        """bool ([batch,] dq_partial_slots, q blocks): which slots of each query block hold a dq partial, slot s
+        the s-th key block of its run when that tile is visible (always, but for ids that are not sorted); a
+        batch dim when the segment table's ``batch`` is an array over it."""
+        q_blocks = xp.arange(-(-self.q_len // self.block_q))[None, :]
+        first, last = self._kv_block_run(q_blocks, xp)
+        kv_block = first + xp.arange(self.dq_partial_slots)[:, None]
+        last_kv_block = -(-self.kv_len // self.block_kv) - 1
+        written = (kv_block <= last) & self.visible(q_blocks, xp.minimum(kv_block, last_kv_block), xp)
+        return written & xp.ones(q_blocks.shape, bool)  # every q block's column, also where the band has none
 
     def dq_partial_slot(self, kv_block, q_block, xp):
         """The slot the fused backward's step at (key block, q step) writes its dq partial to, in the row of
@@ -152,8 +167,18 @@ class BlockGeometry:
         block i holds a partial iff s < ``kv_blocks_seen(i)``. A skipped step writes the block of the
         visible step it fetches (unchanged, so nothing else), or the spare slot if its key block has none."""
         fetched = self.fetched_q_block(kv_block, q_block, xp)
-        first = self._keys_seen(fetched, xp)[0] // self.block_kv
+        first = self._kv_block_run(fetched, xp)[0]
         return xp.where(self.visible(fetched, kv_block, xp), kv_block - first, self.dq_partial_slots - 1)
+
+    def _kv_block_run(self, q_block, xp):
+        """(first, last) key block query block ``q_block`` may see: the band's run, cut to the blocks its
+        segment ids' range meets. last < first: none."""
+        first, last = self._keys_seen(q_block, xp)
+        first_block, last_block = first // self.block_kv, last // self.block_kv  # last < 0 when nothing is seen
+        run = self.segments and self.segments.run(q_block)
+        if run:
+            first_block, last_block = xp.maximum(first_block, run[0]), xp.minimum(last_block, run[1])
+        return first_block, last_block
 
     def _keys_seen(self, q_block, xp):
         """(first, last) key some query of the block sees, within [0, kv_len) unless last < 0: none is.

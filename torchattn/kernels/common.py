@@ -19,6 +19,7 @@ from ..semantics.roles import PAIRS
 from ..tpu.tiling import LANES, SUBLANES
 from . import arguments, compat
 from .block_geometry import BlockGeometry
+from .segment_blocks import SegmentBlocks, block_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,24 +69,37 @@ class KernelSpec:
         return self.options.sequence_shard is not None
 
     @property
+    def segment_ids(self) -> bool:
+        """The call has segment ids: tiles whose ids cannot meet are skipped too (kernels/segment_blocks.py)."""
+        return any(array.name == "segment_ids" for array in self.arrays)
+
+    @property
     def blocks(self) -> BlockGeometry:
         """Which tiles are computed and which blocks the index maps fetch, as known before the kernels run:
-        for a sequence shard, the rows of the last shard (which sees the most keys): an upper bound on the
-        work for the cost estimate. The kernels use :meth:`geometry`."""
-        if not self.sequence_shard:
-            return self._geometry(None)
-        rows, half = self.options.sequence_shard
-        return self._geometry((rows - self.q_len, rows - self.q_len + half))
+        for a sequence shard, the rows of the last shard (which sees the most keys), and every tile the band
+        leaves (segment ids are data): an upper bound on the work for the cost estimate. The kernels use
+        :meth:`geometry`."""
+        offsets = None
+        if self.sequence_shard:
+            rows, half = self.options.sequence_shard
+            offsets = (rows - self.q_len, rows - self.q_len + half)
+        return self._geometry(offsets, None, 0)
 
-    def geometry(self, key_ref) -> BlockGeometry:
-        """The kernels' block geometry: a sequence shard's rows at the offsets prefetched in ``key_ref``."""
-        return self._geometry(row_offsets(key_ref)) if self.sequence_shard else self.blocks
+    def geometry(self, key, batch) -> BlockGeometry:
+        """The block geometry of batch row ``batch`` with the prefetched ``key`` (:func:`prefetched_key`): an SMEM
+        ref in the kernels, an array on the host or in XLA (``batch`` may then be an array over batch rows). A
+        sequence shard's rows sit at the key's row offsets."""
+        offsets = row_offsets(key) if self.sequence_shard else None
+        return self._geometry(offsets, key, batch)
 
-    def _geometry(self, offsets) -> BlockGeometry:
+    def _geometry(self, offsets, key, batch) -> BlockGeometry:
         left, right = self.options.bounds
         rows, half = self.options.sequence_shard or (None, None)
+        segments = (SegmentBlocks(key, batch, self.num_q_blocks, self.num_kv_blocks) if self.segment_ids
+                    else None)
         return BlockGeometry(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q, block_kv=self.block_kv,
-                             left=left, right=right, global_q_len=rows, half=half, offsets=offsets)
+                             left=left, right=right, global_q_len=rows, half=half, offsets=offsets,
+                             segments=segments)
 
     @property
     def transposed_gradients(self) -> bool:
@@ -125,7 +139,7 @@ def row_offsets(key_ref):
 
 def global_rows(spec: KernelSpec, key_ref, q_block, rows):
     """The global positions of local query ``rows`` of block ``q_block`` (the rows themselves unsharded)."""
-    return rows + spec.geometry(key_ref).row_shift(q_block) if spec.sequence_shard else rows
+    return rows + spec.geometry(key_ref, None).row_shift(q_block) if spec.sequence_shard else rows
 
 
 # The kernels keep logits in base 2 (log2(e) times the natural ones) and exponentiate with exp2: the TPU's
@@ -224,17 +238,25 @@ def diagonal_pieces(spec: KernelSpec) -> int:
     return next((pieces for pieces in (4, 2) if spec.block_q % (pieces * LANES) == 0), 0)
 
 
-def tile_kinds(spec: KernelSpec) -> dict:
+def tile_kinds(spec: KernelSpec, blocks: BlockGeometry | None = None) -> dict:
     """{path: bool (q blocks, kv blocks), the tiles on it}, the paths in program order, as the kernels build them
     (:func:`tile_paths`), on the host: mask-free for full tiles (every pair visible by the band and the lengths,
     BlockGeometry.full: no band or padding mask; segment ids, which are data, still compared), masked for the
     other visible ones but the causal diagonal's, where the call has them (:func:`diagonal_pieces`). A path no
     tile takes is not built. A sequence shard's tiles depend on its offsets (data): with a band or padding,
     the mask-free and the masked paths are both built (the tiles reported on each are the last shard's,
-    spec.blocks)."""
+    spec.blocks). Segment ids, data too, build no path; with ``blocks``, a geometry over a layout's block table
+    (kernels/segment_blocks.py: layout_key), the tiles reported are those it leaves."""
     import numpy as np
 
     q_block, kv_block = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
+    kept = np.broadcast_to(True if blocks is None else blocks.visible(q_block, kv_block, np), q_block.shape)
+    return {path: tiles & kept for path, tiles in _band_kinds(spec, q_block, kv_block).items()}
+
+
+def _band_kinds(spec: KernelSpec, q_block, kv_block) -> dict:
+    import numpy as np
+
     visible = np.broadcast_to(spec.blocks.visible(q_block, kv_block, np), q_block.shape)
     if spec.blocks.every_tile_full:
         return {MASK_FREE: visible}
@@ -259,9 +281,11 @@ def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile, diag
     if len(built) == 1 and built[0] != DIAGONAL:
         pl.when(visible)(lambda: tile(masked=built[0] == MASKED))
         return
-    geometry = spec.geometry(key_ref)
+    geometry = spec.geometry(key_ref, None).band_only  # full and on the diagonal by the band; visible by the ids too
     full = geometry.full(q_block, kv_block)
     on_diagonal = geometry.on_diagonal(q_block, kv_block) if DIAGONAL in built else False
+    if spec.segment_ids:
+        full, on_diagonal = full & visible, on_diagonal & visible
     if MASK_FREE in built:
         pl.when(full)(lambda: tile(masked=False))
     if MASKED in built:
@@ -295,7 +319,7 @@ def q_grid_coords(spec: KernelSpec):
     """What a (batch, q_heads, q_blocks, kv_blocks) grid step reads: (batch, head, kv_head, q_block,
     kv_block). GQA: query head h reads kv head h // groups; skipped kv blocks re-use a fetched one."""
     def coords(b, h, i, j, key_ref):
-        return b, h, h // spec.groups, i, spec.geometry(key_ref).fetched_kv_block(i, j, jnp)
+        return b, h, h // spec.groups, i, spec.geometry(key_ref, b).fetched_kv_block(i, j, jnp)
 
     return coords
 
@@ -319,9 +343,9 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
                     cost_estimate: pl.CostEstimate):
     """The jax function ``(dropout_key, *arrays) -> tuple of outputs`` around one pallas_call.
 
-    The key (int32 (5,): the dropout key, then row offsets) is prefetched into SMEM; the last grid axis is the
-    sequential (accumulating) one. ``cost_estimate`` (see :mod:`.cost`) is what
-    XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
+    The key (int32 (5,): the dropout key, then row offsets; :func:`prefetched_key` appends the segment ids' block
+    table) is prefetched into SMEM; the last grid axis is the sequential (accumulating) one. ``cost_estimate``
+    (see :mod:`.cost`) is what XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
     """
     call = pl.pallas_call(
         kernel,
@@ -336,7 +360,21 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
         cost_estimate=cost_estimate,
     )
 
-    def run(dropout_key, *arrays):
-        return tuple(call(dropout_key, *arrays))
+    def run(key, *arrays):
+        return tuple(call(prefetched_key(spec, key, arrays), *arrays))
 
     return run
+
+
+def prefetched_key(spec: KernelSpec, key, arrays):
+    """What the kernels prefetch: the call's key (kernels/arguments.py), then, with segment ids, their block table
+    (kernels/segment_blocks.py), computed here by a small XLA op from the laid-out ids in ``arrays`` (the call's,
+    in argument order)."""
+    if not spec.segment_ids:
+        return key
+    names = [array.name for array in spec.arrays]
+    q_ids = arrays[names.index("segment_ids")][:, :, 0]  # (batch, q_pad, 128) -> (batch, q_pad)
+    kv_ids = arrays[names.index("kv_segment_ids")][:, 0, :]  # (batch, 8, kv_pad) -> (batch, kv_pad)
+    table = block_table(q_ids, kv_ids, q_len=spec.q_len, kv_len=spec.kv_len, block_q=spec.block_q,
+                        block_kv=spec.block_kv, xp=jnp)
+    return jnp.concatenate([key, table])

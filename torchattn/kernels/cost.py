@@ -9,11 +9,12 @@ the TPU), so the kernels' own block geometry (``KernelSpec.blocks``, see
 :mod:`.block_geometry`) runs here with ``xp=numpy``.
 
 - flops: matmuls of the (q block, kv block) tiles the kernel does not skip
-  (causal, window and padding skipping; segment ids are data and never skip a
-  tile), ``2 * block_q * block_kv * head_dim`` each (head_dim as the kernels' arrays
-  hold it, kernels/arguments.py): forward 2 (q k^T, p v), dq 3 (q k^T, do v^T, ds k), dk/dv 4 (q k^T,
-  do v^T, p^T do, ds^T q), fused 5 (dk/dv's and ds k). Elementwise work (softmax, masks, bias, dropout) is
-  not counted.
+  (causal, window and padding skipping; segment ids are data: the estimate XLA gets counts every tile they may
+  leave, and a layout given as ``blocks``, a geometry over its block table (kernels/segment_blocks.py:
+  layout_key), counts the tiles it leaves, the same in every batch row), ``2 * block_q * block_kv * head_dim``
+  each (head_dim as the kernels' arrays hold it, kernels/arguments.py): forward 2 (q k^T, p v), dq 3 (q k^T,
+  do v^T, ds k), dk/dv 4 (q k^T, do v^T, p^T do, ds^T q), fused 5 (dk/dv's and ds k). Elementwise work
+  (softmax, masks, bias, dropout) is not counted.
 - transcendentals: per visited tile, exp of every score, and tanh of every
   score with softcap; the forward also the exp of the rescale factor per row of
   a visited tile, and the log per query row at the end.
@@ -36,23 +37,24 @@ from jax.experimental import pallas as pl
 
 from ..semantics.roles import PAIRS, Q_ROWS
 from . import arguments
+from .block_geometry import BlockGeometry
 from .common import KernelSpec
 
 _WORD = 4  # bytes of a float32 score gradient (ds) or dq partial
 
 
-def forward_cost(spec: KernelSpec) -> pl.CostEstimate:
+def forward_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
     """Forward kernel (out, lse), grid (batch, q_heads, q_blocks, kv_blocks)."""
-    grid = _Grid.of_q_grid(spec)
+    grid = _Grid.of_q_grid(spec, blocks or spec.blocks)
     moved = _input_bytes(spec, grid, backward=False) + grid.q_transfers() * (_bytes(spec, "q") + _bytes(spec, "lse"))
     tiles = grid.tiles_visited()
     row_exps = spec.block_q * (tiles + spec.batch * spec.q_heads * spec.num_q_blocks)  # rescale per tile, log
     return _estimate(spec, tiles, matmuls=2, extra_transcendentals=row_exps, bytes_accessed=moved)
 
 
-def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
+def dq_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
     """dq kernel, grid (batch, q_heads, q_blocks, kv_blocks); ``with_ds``: also the score gradient ds."""
-    grid = _Grid.of_q_grid(spec)
+    grid = _Grid.of_q_grid(spec, blocks or spec.blocks)
     moved = _input_bytes(spec, grid, backward=True) + grid.q_transfers() * _bytes(spec, "q")  # dq written
     if with_ds:  # written for every tile, skipped ones as zeros
         all_tiles = spec.batch * spec.q_heads * spec.num_q_blocks * spec.num_kv_blocks
@@ -60,20 +62,20 @@ def dq_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
     return _estimate(spec, grid.tiles_visited(), matmuls=3, extra_transcendentals=0, bytes_accessed=moved)
 
 
-def dkv_cost(spec: KernelSpec) -> pl.CostEstimate:
+def dkv_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
     """dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks)."""
-    grid = _Grid.of_kv_grid(spec)
+    grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
     written = grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))  # dk, dv
     return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0,
                      bytes_accessed=_input_bytes(spec, grid, backward=True) + written)
 
 
-def fused_cost(spec: KernelSpec, with_ds: bool) -> pl.CostEstimate:
+def fused_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
     """Fused backward kernel, the dk/dv grid: dk, dv, a float32 dq partial per visible tile (a skipped step
     writes the block of the visible step it fetches, or a spare one: see BlockGeometry.dq_partial_slot),
     and with ``with_ds`` the score gradient of every tile."""
-    grid = _Grid.of_kv_grid(spec)
-    slot = spec.blocks.dq_partial_slot(grid.kv_block, grid.q_block, np)  # q_block is already the fetched one
+    grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
+    slot = (blocks or spec.blocks).dq_partial_slot(grid.kv_block, grid.q_block, np)  # q_block: the fetched one
     partials = grid.transfers([grid.batch, grid.kv_head], [grid.group, slot, grid.q_block])
     written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))
                + partials * spec.block_q * spec.head_dim * _WORD)
@@ -102,23 +104,23 @@ class _Grid:
     visible: np.ndarray
 
     @classmethod
-    def of_q_grid(cls, spec: KernelSpec) -> "_Grid":
+    def of_q_grid(cls, spec: KernelSpec, blocks: BlockGeometry) -> "_Grid":
         """(batch, q_heads, q_blocks, kv_blocks): kv blocks of skipped tiles are clamped."""
         batch, head = (a.ravel() for a in np.indices((spec.batch, spec.q_heads)))
         q_block, kv_block = (a.ravel() for a in np.indices((spec.num_q_blocks, spec.num_kv_blocks)))
         return cls(batch=batch, head=head, kv_head=head // spec.groups, group=np.zeros_like(q_block),
-                   q_block=q_block, kv_block=spec.blocks.fetched_kv_block(q_block, kv_block, np),
-                   visible=spec.blocks.visible(q_block, kv_block, np))
+                   q_block=q_block, kv_block=blocks.fetched_kv_block(q_block, kv_block, np),
+                   visible=np.broadcast_to(blocks.visible(q_block, kv_block, np), q_block.shape))
 
     @classmethod
-    def of_kv_grid(cls, spec: KernelSpec) -> "_Grid":
+    def of_kv_grid(cls, spec: KernelSpec, blocks: BlockGeometry) -> "_Grid":
         """(batch, kv_heads, kv_blocks, groups * q_blocks): q blocks of skipped tiles are clamped."""
         batch, kv_head = (a.ravel() for a in np.indices((spec.batch, spec.kv_heads)))
         kv_block, group, q_block = (a.ravel() for a in np.indices((spec.num_kv_blocks, spec.groups,
                                                                    spec.num_q_blocks)))
         return cls(batch=batch, head=kv_head, kv_head=kv_head, group=group,
-                   q_block=spec.blocks.fetched_q_block(kv_block, q_block, np), kv_block=kv_block,
-                   visible=spec.blocks.visible(q_block, kv_block, np))
+                   q_block=blocks.fetched_q_block(kv_block, q_block, np), kv_block=kv_block,
+                   visible=np.broadcast_to(blocks.visible(q_block, kv_block, np), q_block.shape))
 
     def tiles_visited(self) -> int:
         return len(self.batch) * int(self.visible.sum())

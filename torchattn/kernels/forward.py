@@ -95,7 +95,7 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         for piece in range(diagonal_pieces(spec)):
             computed(True, slice(piece * size, (piece + 1) * size), (piece + 1) * size)
 
-    tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref).visible(q_block, kv_block, jnp), tile,
+    tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp), tile,
                diagonal_tile)
 
     @pl.when(kv_block == spec.num_kv_blocks - 1)

@@ -16,8 +16,10 @@ older flash_attention where it has the features (MHA only, no window or softcap)
 blocks; and the peers at their own configuration: where tokamax is installed (.venv-current), Tokamax's
 splash as its op configures it (its committed autotuning entry for the call, else its heuristics: blocks,
 compute block, scheduler, layouts, diagonal skip; its fused backward and the XLA sums after it; with segment
-ids it prunes the tiles pairing different documents, and a row packs DOCUMENTS documents of equal length, which
-torchattn's kernels skip too (their segment blocks: torchattn/kernels/segment_blocks.py);
+ids it prunes the tiles pairing different documents, which torchattn's kernels skip too (their segment blocks:
+torchattn/kernels/segment_blocks.py): a row packs DOCUMENTS documents of equal length, or, with ``--documents``, a
+layout's lengths in order from its first until the row is full (the last one cut to fit; e.g.
+docs/bench/layouts/bbc-news.txt, scripts/document_lengths.py), the CSV's ``documents`` says how many;
 torchattn/aot/tokamax_kernels.py), and TorchTPU's ``torch.tpu.ops.splash_sdpa`` ("splash-sdpa"), which runs
 JAX's splash with its fused backward at its own default blocks, 512 everywhere (clamped to the length), with
 grouped kv heads repeated to one per query head (MHA's kernels), and has no segment ids or softcap. A peer's
@@ -62,7 +64,8 @@ FULL_GRID = ("v5e", "v6e", "v7x")
 GENERATION_NAMES = ("v5e", "v6e", "v4", "v5p", "v7x")
 SPLASH_SDPA_BLOCKS = 512  # torch.tpu.ops.splash_sdpa's defaults for every block
 DOCUMENTS = 4  # a row with segment ids packs this many documents of equal length (Tokamax prunes by their ranges)
-FIELDS = ("generation", "q_heads", "kv_heads", "seq_len", "head_dim", "causal", "segments", "block_q", "block_kv",
+FIELDS = ("generation", "q_heads", "kv_heads", "seq_len", "head_dim", "causal", "segments", "documents", "block_q",
+          "block_kv",
           "block_q_bwd", "block_kv_bwd", "implementation", "peer_config", "status", "forward_s", "backward_s",
           "fwd_bwd_s",
           "forward_fraction_of_peak", "forward_bound_unit", "forward_step_bundles",
@@ -79,6 +82,7 @@ class Config:
     head_dim: int
     causal: bool
     segments: bool
+    documents: tuple[int, ...] = ()  # a packed row's documents' lengths (segments only)
 
     def label(self) -> str:
         heads = "mha" if self.q_heads == self.kv_heads else f"{self.q_heads}/{self.kv_heads}"
@@ -103,29 +107,36 @@ def grid(generation: str, quick: bool, head_dims=HEAD_DIMS, seq_lens=SEQ_LENS) -
             if seq_len < LONGEST or (causal and q_heads != kv_heads)]
 
 
-def builders(attention, generation: str, blocks) -> dict:
+def builders(attention, generation: str, blocks, documents) -> dict:
     """implementation -> a function building its schedule.Kernels and the row fields its own configuration sets
     (a peer's blocks, where they are not ``blocks``, and ``peer_config``); raises ValueError when unsupported."""
     from torchattn.aot import jax_kernels, schedule
 
     return {"torchattn": lambda: (schedule.torchattn_kernels(attention, generation, blocks,
-                                                             documents=documents_of(attention)), {}),
+                                                             documents=documents), {}),
             "splash": lambda: (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=False), {}),
             "splash-fused": lambda: (jax_kernels.splash_kernels(attention, generation, blocks, fused_backward=True),
                                      {}),
             "flash": lambda: (jax_kernels.flash_kernels(attention, generation, blocks), {}),
-            "tokamax": lambda: _tokamax_kernels(attention, generation),
+            "tokamax": lambda: _tokamax_kernels(attention, generation, documents),
             "splash-sdpa": lambda: _splash_sdpa_kernels(attention, generation)}
 
 
-def documents_of(attention) -> list[int] | None:
-    """A row's packed documents' lengths, for the kernels that skip tiles by segment ids (torchattn, Tokamax)."""
-    return [attention.q_len // DOCUMENTS] * DOCUMENTS if attention.segments else None
+def packed_row(length: int, layout: list[int] | None) -> tuple[int, ...]:
+    """The documents' lengths of one packed row of ``length`` tokens: ``layout``'s from its first until the row is
+    full, the last cut to fit (the layout repeated if it is shorter than the row); DOCUMENTS equal ones without."""
+    if not layout:
+        return (length // DOCUMENTS,) * DOCUMENTS
+    row = []
+    for document in itertools.cycle(layout):
+        row.append(min(document, length - sum(row)))
+        if sum(row) == length:
+            return tuple(row)
 
 
-def _tokamax_kernels(attention, generation: str) -> tuple[list, dict]:
+def _tokamax_kernels(attention, generation: str, documents) -> tuple[list, dict]:
     """Tokamax's forward and backward at its own configuration (its committed autotuning entry, else its
-    heuristics); a call with segment ids packs DOCUMENTS documents per row."""
+    heuristics); a call with segment ids packs ``documents``."""
     import importlib.util
 
     if importlib.util.find_spec("tokamax") is None:
@@ -134,7 +145,6 @@ def _tokamax_kernels(attention, generation: str) -> tuple[list, dict]:
 
     (forward, forward_source), (backward, backward_source) = (tokamax_kernels.forward_config(attention, generation),
                                                               tokamax_kernels.backward_config(attention, generation))
-    documents = documents_of(attention)
     kernels = [tokamax_kernels.forward_kernel(attention, generation, forward, documents=documents),
                *tokamax_kernels.backward_kernels(attention, generation, backward, documents=documents)]
     return kernels, {"block_q": forward.block_q, "block_kv": forward.block_kv, "block_q_bwd": backward.block_q_dkv,
@@ -171,9 +181,12 @@ def measure_config(config: Config, blocks_flag, implementations=IMPLEMENTATIONS)
                           kv_len=config.seq_len, head_dim=config.head_dim, causal=config.causal,
                           segments=config.segments)
     blocks = blocks_flag or attention.default_block_sizes(config.generation)
-    base = {**dataclasses.asdict(config), **dataclasses.asdict(blocks.clamped(config.seq_len, config.seq_len))}
+    base = {**dataclasses.asdict(config), **dataclasses.asdict(blocks.clamped(config.seq_len, config.seq_len)),
+            "documents": (f"{len(config.documents)} of {min(config.documents)}-{max(config.documents)} tokens"
+                          if config.documents else "")}
     rows = []
-    for implementation, build in builders(attention, config.generation, blocks).items():
+    documents = list(config.documents) if config.segments else None
+    for implementation, build in builders(attention, config.generation, blocks, documents).items():
         if implementation not in implementations:
             continue
         row = {**base, "implementation": implementation}
@@ -289,6 +302,15 @@ def _label(row: dict) -> str:
                                            "segments"))).label()
 
 
+def _layout(text: str) -> list[int]:
+    from torchattn.aot import documents
+
+    try:
+        return documents.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _positive(text: str) -> int:
     if not text.isdecimal() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
@@ -357,8 +379,11 @@ def main(argv=None) -> int:
                         help="only these lengths of the v5e/v6e grid")
     parser.add_argument("--implementations", nargs="+", choices=IMPLEMENTATIONS[1:], default=IMPLEMENTATIONS[1:],
                         help="the kernels set beside torchattn's (default: all)")
-    parser.add_argument("--segments", choices=("both", "no"), default="both",
-                        help="the v5e/v6e/v7x grid with and without packed segment ids, or only without")
+    parser.add_argument("--segments", choices=("both", "no", "only"), default="both",
+                        help="the v5e/v6e/v7x grid with and without packed segment ids, only without, or only with")
+    parser.add_argument("--documents", type=_layout, metavar="LAYOUT",
+                        help="the packed rows' documents' lengths, taken in order (e.g. "
+                             "docs/bench/layouts/bbc-news.txt, or 300,512*4); default: DOCUMENTS equal ones a row")
     parser.add_argument("--jobs", type=_positive, default=1,
                         help="configurations compiled at once, each in a process of its own (default 1)")
     parser.add_argument("--out-dir", help="where the CSV and PNG go (default: docs/bench on torch_xla's stack, "
@@ -382,8 +407,9 @@ def main(argv=None) -> int:
 
     for generation in args.generation:
         configs, rows = grid(generation, args.quick, args.head_dim, args.seq_len), []
-        if args.segments == "no":
-            configs = [config for config in configs if not config.segments]
+        configs = [dataclasses.replace(config, documents=packed_row(config.seq_len, args.documents))
+                   if config.segments else config for config in configs
+                   if args.segments == "both" or config.segments == (args.segments == "only")]
         start = time.perf_counter()
         for number, (config, measured) in enumerate(zip(configs, measured_configs(configs, args)), 1):
             rows += measured

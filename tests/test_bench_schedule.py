@@ -89,3 +89,10 @@ def _bench_schedule():
     sys.modules.setdefault("bench_schedule", module)  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def test_a_packed_row_takes_the_layouts_documents_in_order_and_cuts_the_last():
+    packed_row = _bench_schedule().packed_row
+    assert packed_row(2048, None) == (512,) * 4
+    assert packed_row(1000, [300, 450, 600]) == (300, 450, 250)
+    assert packed_row(1000, [300, 400]) == (300, 400, 300)  # the layout again from its first

@@ -17,6 +17,7 @@ import itertools
 
 import numpy as np
 import pytest
+import torch
 
 from brute_force import sees
 from torchattn.semantics import masks
@@ -217,10 +218,9 @@ def documents(length: int, rng, ordered: bool) -> np.ndarray:
 def with_segments(g: BlockGeometry, q_ids: np.ndarray, kv_ids: np.ndarray) -> BlockGeometry:
     """``g`` for batch row 0 of a layout: its table after the prefetched key's own entries."""
     q_blocks, kv_blocks = -(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)
-    padded = [np.pad(ids, (0, blocks * block - len(ids)))[None]
-              for ids, blocks, block in ((q_ids, q_blocks, g.block_q), (kv_ids, kv_blocks, g.block_kv))]
-    table = block_table(*padded, q_len=g.q_len, kv_len=g.kv_len, block_q=g.block_q, block_kv=g.block_kv, xp=np)
-    key = np.concatenate([np.zeros(KEY_LENGTH, np.int32), table])
+    table = block_table(torch.as_tensor(q_ids)[None], torch.as_tensor(kv_ids)[None], block_q=g.block_q,
+                        block_kv=g.block_kv)
+    key = np.concatenate([np.zeros(KEY_LENGTH, np.int32), table.numpy()])
     return dataclasses.replace(g, segments=SegmentBlocks(key, 0, q_blocks, kv_blocks))
 
 
@@ -277,17 +277,21 @@ def test_any_layout_never_skips_a_visible_pair_and_fetches_each_kept_block_at_it
 
 
 @pytest.mark.parametrize("ordered", [True, False])
-def test_fused_dq_partials_each_visible_tile_its_own_written_slot(ordered):
-    """The fused backward writes each visible tile's dq partial to its own slot of its query block, marks exactly
-    those slots written, and leaves the spare slot (the skipped steps') to no visible tile."""
+def test_fused_dq_partial_slots_are_the_bands_whatever_the_ids_skip(ordered):
+    """The fused backward's dq partials keep the band's slots (kernels/backward.py): each tile the band leaves
+    has its own slot, marked written (its partial, or zeros where the ids skip it), and the spare slot (the
+    skipped steps') is no tile's; the ids change which tiles are computed, never a slot."""
     for causal, window in SEGMENT_MASKS:
         for g, _ in segment_combinations(causal, window, ordered):
+            band = g.band_only
             q_block, kv_block = np.indices((-(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)))
-            visible = np.broadcast_to(g.visible(q_block, kv_block, np), q_block.shape)
-            slots = np.broadcast_to(g.dq_partial_slot(kv_block, q_block, np), q_block.shape)
-            written = g.dq_partial_written(np)
-            assert written.shape == (g.dq_partial_slots, q_block.shape[0])
+            in_band = np.broadcast_to(band.visible(q_block, kv_block, np), q_block.shape)
+            kept = np.broadcast_to(g.visible(q_block, kv_block, np), q_block.shape)
+            assert (in_band | ~kept).all()
+            slots = np.broadcast_to(band.dq_partial_slot(kv_block, q_block, np), q_block.shape)
+            written = g.dq_partial_written()
+            assert g.dq_partial_slots == band.dq_partial_slots
             for i in range(q_block.shape[0]):
-                mine = slots[i][visible[i]]
-                assert len(set(mine.tolist())) == len(mine) and (mine < g.dq_partial_slots - 1).all()
+                mine = slots[i][in_band[i]]
+                assert len(set(mine.tolist())) == len(mine)
                 assert written[mine, i].all() and written[:, i].sum() == len(mine)

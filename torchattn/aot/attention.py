@@ -138,22 +138,22 @@ def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSi
     _, bwd_args = argument_structs(bwd_spec)
     forward = [("forward", kernel_function("forward", fwd_spec), fwd_args, fwd_spec)]
     if backward == "fused" or (backward == "auto" and fused(bwd_spec)):
-        slots = bwd_spec.blocks.dq_partial_slots
-        partials = jax.ShapeDtypeStruct((bwd_spec.batch, bwd_spec.q_heads, slots, bwd_spec.q_pad,
-                                         bwd_spec.head_dim), jnp.float32)
-        written = jax.ShapeDtypeStruct((bwd_spec.batch, slots, bwd_spec.num_q_blocks), jnp.int32)
+        partials = jax.ShapeDtypeStruct((bwd_spec.batch, bwd_spec.q_heads, bwd_spec.blocks.dq_partial_slots,
+                                         bwd_spec.q_pad, bwd_spec.head_dim), jnp.float32)
         return forward + [("backward_fused", kernel_function("backward_fused", bwd_spec), bwd_args, bwd_spec),
-                          ("dq_reduction", dq_reduction(bwd_spec), [partials, written], bwd_spec)]
+                          ("dq_reduction", dq_reduction(bwd_spec), [partials], bwd_spec)]
     return forward + [(role, kernel_function(role, bwd_spec), bwd_args, bwd_spec)
                       for role in ("backward_dq", "backward_dkv")]
 
 
 def dq_reduction(spec):
     """The XLA op the torch side runs after the fused backward (torchattn.backends.kernel_calls.sum_dq_partials), in
-    jax: (dq partials, written slots) -> dq in the call's dtype."""
+    jax: dq partials -> dq in the call's dtype."""
     import jax.numpy as jnp
+    import numpy as np
 
-    def reduce(partials, written):
-        rows = jnp.repeat(written != 0, spec.block_q, axis=2)  # (batch, slots, q_pad)
-        return jnp.where(rows[:, None, :, :, None], partials, 0.0).sum(axis=2).astype(spec.dtype)
+    rows = np.repeat(spec.blocks.dq_partial_written(), spec.block_q, axis=1)  # (slots, q_pad)
+
+    def reduce(partials):
+        return jnp.where(rows[:, :, None], partials, 0.0).sum(axis=2).astype(spec.dtype)
     return reduce

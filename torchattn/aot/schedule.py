@@ -254,32 +254,38 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
             "backward_dkv": (kv_grid, cost.dkv_cost(spec, blocks), 4),
             "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad, blocks), 5)}[name]
         pairs = attention.batch * attention.q_heads * _band_pairs(attention, documents)
-        path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks)
+        path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks,
+                                 zeroed_dq=name == "backward_fused" and spec.segment_ids)
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
                               useful_flops=2.0 * matmuls * pairs * attention.head_dim, path_steps=path_steps,
-                              idle_steps=0 if ids is None else math.prod(grid) - sum(path_steps)))
+                              idle_steps=0 if ids is None else max(math.prod(grid) - sum(path_steps), 0)))
     return kernels
 
 
 WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
-def _path_steps(spec, zeroed_skips: bool, layout=None) -> tuple[int, ...]:
+def _path_steps(spec, zeroed_skips: bool, layout=None, zeroed_dq: bool = False) -> tuple[int, ...]:
     """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles,
     masked ones, the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds), the skipped tiles
-    whose ds is zeroed; () for a kernel with one path and nothing else predicated per step. ``layout``: a
-    geometry over segment ids' block table, whose skipped tiles are the idle steps (a tile's path is then
-    predicated on data, a region of the schedule however many paths there are)."""
+    whose ds is zeroed, then, when ``zeroed_dq`` (the fused backward of a call with segment ids), the tiles the
+    ids skip inside the band, whose dq partial is zeroed; () for a kernel with one path and nothing else
+    predicated per step. ``layout``: a geometry over segment ids' block table, whose skipped tiles take no path
+    (idle steps, the caller's; a tile's path is then predicated on data, a region of the schedule however many
+    paths there are); without one every tile the band leaves counts as visible."""
     import numpy as np
 
     from ..kernels import common
 
     kinds = common.tile_kinds(spec, layout)
-    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips and layout is None:
+    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips and layout is None and not zeroed_dq:
         return ()
     visible = np.logical_or.reduce(list(kinds.values()))
     counts = [int(tiles.sum()) for tiles in kinds.values()] + ([int((~visible).sum())] if zeroed_skips else [])
+    if zeroed_dq:
+        band = np.logical_or.reduce(list(common.tile_kinds(spec).values()))
+        counts.append(int((band & ~visible).sum()))
     return tuple(spec.batch * spec.q_heads * n for n in counts)
 
 

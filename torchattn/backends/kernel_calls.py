@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..tpu import generations
 from .. import runtimes
-from ..kernels import arguments, vmem
+from ..kernels import arguments, segment_blocks, vmem
 from ..call.request import Options, Request, Tensors
 from ..semantics.roles import PER_DEVICE, PAIRS, Q_ROWS
 from ..tpu.tiling import LANES, SUBLANES, round_up
@@ -118,15 +118,22 @@ def _kernel_arguments(spec, dropout_key, tensors: dict[str, torch.Tensor], backw
     return [dropout_key, *(_layout(spec, array, tensors[array.name]) for array in arguments.inputs(spec, backward))]
 
 
-def kernel_key(tensors: Tensors) -> torch.Tensor:
-    """The kernels' prefetched key, int32 (5,) (kernels/common.py): the dropout key (int64 (3,),
-    torchattn.semantics.dropout.keys; zeros without dropout), then the row offsets (int64 (2,); zeros unsharded).
-    int32: JAX runs without 64-bit types; the seed's 32 bits keep their pattern, the rest are small."""
+def kernel_key(spec, tensors: Tensors) -> torch.Tensor:
+    """The kernels' prefetched key, int32 (kernels/arguments.py): the dropout key (int64 (3,),
+    torchattn.semantics.dropout.keys; zeros without dropout), then the row offsets (int64 (2,); zeros unsharded),
+    then with segment ids their block table at ``spec``'s blocks (kernels/segment_blocks.py: a few small XLA ops
+    in the step's graph). int32: JAX runs without 64-bit types; the seed's 32 bits keep their pattern, the rest are
+    small."""
     zeros = dict(dtype=torch.int64, device=tensors.q.device)
     dropout_key = tensors.dropout_key if tensors.dropout_key is not None else torch.zeros(3, **zeros)
     offsets = tensors.row_offsets if tensors.row_offsets is not None else torch.zeros(2, **zeros)
     key = torch.cat([dropout_key, offsets])
-    return torch.where(key >= 2**31, key - 2**32, key).to(torch.int32)
+    key = torch.where(key >= 2**31, key - 2**32, key).to(torch.int32)
+    if tensors.segment_ids is None:
+        return key
+    table = segment_blocks.block_table(tensors.segment_ids, tensors.kv_segment_ids, block_q=spec.block_q,
+                                       block_kv=spec.block_kv)
+    return torch.cat([key, table])
 
 
 def _present(tensors: Tensors) -> dict[str, torch.Tensor]:
@@ -147,7 +154,7 @@ def forward(tensors: Tensors, options: Options, *, mode: str):
     spec = kernel_spec(tensors, options, options.block_sizes.block_q, options.block_sizes.block_kv, mode)
     out_shapes = [((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype),
                   ((spec.batch, spec.q_heads, spec.q_pad, LANES), torch.float32)]
-    kernel_args = _kernel_arguments(spec, kernel_key(tensors), _present(tensors), backward=False)
+    kernel_args = _kernel_arguments(spec, kernel_key(spec, tensors), _present(tensors), backward=False)
     out, lse = runtimes.call("forward", spec, kernel_args, out_shapes)
     return out[:, :, : spec.q_len, : q.shape[3]], lse[:, :, : spec.q_len, 0]
 
@@ -163,17 +170,16 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
     arrays = dict(_present(tensors), do=do, lse=torch.where(lse == float("-inf"), 0.0, lse),
                   delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
-    kernel_args = _kernel_arguments(spec, kernel_key(tensors), arrays, backward=True)
+    kernel_args = _kernel_arguments(spec, kernel_key(spec, tensors), arrays, backward=True)
     pair_grads = [array for array in spec.arrays if array.grad]
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
     if fused(spec):
-        slots = spec.blocks.dq_partial_slots
-        partials = ((spec.batch, spec.q_heads, slots, spec.q_pad, spec.head_dim), torch.float32)
-        written = ((spec.batch, slots, spec.num_q_blocks), torch.int32)
-        dk, dv, partials, written, *ds = runtimes.call("backward_fused", spec, kernel_args,
-                                                       [kv_shape, kv_shape, partials, written, *ds_shape])
-        dq = sum_dq_partials(spec, partials, written).to(q.dtype)
+        partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
+                    torch.float32)
+        dk, dv, partials, *ds = runtimes.call("backward_fused", spec, kernel_args,
+                                              [kv_shape, kv_shape, partials, *ds_shape])
+        dq = sum_dq_partials(spec, partials).to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
         dq, *ds = runtimes.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
@@ -188,9 +194,9 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     return grads
 
 
-def sum_dq_partials(spec, partials: torch.Tensor, written: torch.Tensor) -> torch.Tensor:
-    """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials and its ``written`` slots
-    (kernels/backward.py, fused_call): the sum over each query block's slots that hold one; the others were never
-    written."""
-    rows = written.bool().repeat_interleave(spec.block_q, dim=2)  # (batch, slots, q_pad)
-    return torch.where(rows[:, None, :, :, None], partials, 0.0).sum(dim=2)
+def sum_dq_partials(spec, partials: torch.Tensor) -> torch.Tensor:
+    """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials (kernels/backward.py,
+    fused_call): the sum over each query block's slots that hold one; the others were never written."""
+    written = torch.from_numpy(spec.blocks.dq_partial_written()).to(partials.device)
+    rows = written.repeat_interleave(spec.block_q, dim=1)  # (slots, q_pad)
+    return torch.where(rows[:, :, None], partials, 0.0).sum(dim=2)

@@ -1,7 +1,8 @@
 """The kernels' argument contract: the arrays each kernel takes, their order, padded shapes and blocks.
 
-Every kernel takes the key, int32 (KEY_LENGTH,) (prefetched into SMEM: the dropout key,
-torchattn.semantics.dropout.keys, then a sequence shard's row offsets, torchattn.spmd.context.row_offsets), then the
+Every kernel takes the key, int32 (:func:`key_length`,) (prefetched into SMEM: the dropout key,
+torchattn.semantics.dropout.keys, then a sequence shard's row offsets, torchattn.spmd.context.row_offsets, then with
+segment ids their block table, kernels/segment_blocks.py), then the
 call's arrays (``KernelSpec.arrays``, declared by the torch side from torchattn.call.request.Tensors) and, in the
 backward kernels, :func:`backward_arrays`. Each array is an :class:`Array`, and everything here follows from
 its shape role (torchattn/semantics/roles.py), so an input of an existing role needs no code in this file:
@@ -117,9 +118,16 @@ def shape(spec, array: Array) -> tuple[int, ...]:
     return (spec.batch, *heads, rows, LANES) if array.role == Q_ROWS else (spec.batch, *heads, SUBLANES, rows)
 
 
+def key_length(spec) -> int:
+    """Entries of the prefetched key: KEY_LENGTH, and the segment ids' block table when the call has them."""
+    from .segment_blocks import table_length
+
+    return KEY_LENGTH + (table_length(spec.batch, spec.num_q_blocks, spec.num_kv_blocks) if spec.segment_ids else 0)
+
+
 def shapes(spec, backward: bool) -> list[tuple[tuple[int, ...], str]]:
-    """(shape, dtype name) of the dropout key and of each array a kernel takes, in argument order."""
-    return [((KEY_LENGTH,), "int32"), *((shape(spec, array), array.dtype) for array in inputs(spec, backward))]
+    """(shape, dtype name) of the prefetched key and of each array a kernel takes, in argument order."""
+    return [((key_length(spec),), "int32"), *((shape(spec, array), array.dtype) for array in inputs(spec, backward))]
 
 
 def unpack(spec, refs, backward: bool):

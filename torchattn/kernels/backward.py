@@ -171,6 +171,10 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
 
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
+    if fused and spec.segment_ids:  # the band's slot of a tile the ids skip: zeros, as the dq sum reads it
+        @pl.when(spec.blocks.visible(q_block, kv_block, jnp) & jnp.logical_not(visible))
+        def _zero_dq():
+            dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():
@@ -240,23 +244,14 @@ def dkv_call(spec: KernelSpec):
 @functools.lru_cache(maxsize=None)
 def fused_call(spec: KernelSpec, with_ds: bool):
     """jax function (dropout_key, q, k, v, do, lse, delta, [segment_ids, kv_segment_ids], [bias]) ->
-    (dk, dv, dq partials, written, [ds]).
+    (dk, dv, dq partials, [ds]).
 
     dq partials: float32 (batch, q_heads, ``spec.blocks.dq_partial_slots``, q_pad, head_dim), slot s of
-    query block i the partial of the s-th key block of its run; written: int32 (batch, slots, q blocks), 1 where
-    a slot holds a partial (BlockGeometry.dq_partial_written: the segment ids decide it, so it is data; the
-    others are never written); ds as :func:`dq_call` writes it. Memoised per spec.
+    query block i the partial of the s-th key block the band lets it see (zeros where the segment ids skip the
+    tile), for s < ``spec.blocks.kv_blocks_seen(i)`` (others unwritten: ``BlockGeometry.dq_partial_written``);
+    ds as :func:`dq_call` writes it. Memoised per spec.
     """
-    kernel = _kv_grid_call(spec, fused=True, with_ds=with_ds)
-
-    def run(key, *arrays):
-        dk, dv, partials, *ds = kernel(key, *arrays)
-        rows = jnp.arange(spec.batch)[:, None, None]
-        written = spec.geometry(common.prefetched_key(spec, key, arrays), rows).dq_partial_written(jnp)
-        shape = (spec.batch, spec.blocks.dq_partial_slots, spec.num_q_blocks)
-        return (dk, dv, partials, jnp.broadcast_to(written, shape).astype(jnp.int32), *ds)
-
-    return run
+    return _kv_grid_call(spec, fused=True, with_ds=with_ds)
 
 
 def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
@@ -272,9 +267,11 @@ def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
     out_shape = [kv_shape, kv_shape]
     if fused:
         slots = spec.blocks.dq_partial_slots
+        # The band's slots, which segment ids do not move: a step writes its tile's, or the visible step's it
+        # fetches by the band (not by the ids: a tile they skip writes zeros to its own).
+        band = spec.blocks
         out_specs.append(pl.BlockSpec((None, None, None, bq, d), lambda b, hk, j, t, key_ref: (
-            b, hk * g + t // nq, spec.geometry(key_ref, b).dq_partial_slot(j, t % nq, jnp),
-            coords(b, hk, j, t, key_ref)[3], 0)))
+            b, hk * g + t // nq, band.dq_partial_slot(j, t % nq, jnp), band.fetched_q_block(j, t % nq, jnp), 0)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, slots, spec.q_pad, d), jnp.float32))
     if with_ds:
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, hk, j, t, key_ref: (

@@ -140,28 +140,24 @@ class BlockGeometry:
 
     @property
     def dq_partial_slots(self) -> int:
-        """Slots per query block of the fused backward's dq partials, static: one per key block of the longest
-        run a query block sees by the band, and a spare one written by the skipped steps of key blocks no query
-        block sees, or (with segment ids, data) may not see."""
+        """Slots per query block of the fused backward's dq partials, the band's (segment ids, which are data, do
+        not move them): one per key block of the longest run a query block sees, and a spare one written by the
+        steps of key blocks no query block sees."""
         band = self.band_only
         q_blocks = np.arange(-(-self.q_len // self.block_q))
         kv_blocks = np.arange(-(-self.kv_len // self.block_kv))
         seen = band.visible(q_blocks[:, None], kv_blocks[None, :], np)
-        spare = self.segments is not None or not seen.any(axis=0).all()
-        return int(band.kv_blocks_seen(q_blocks, np).max()) + int(spare)
+        return int(band.kv_blocks_seen(q_blocks, np).max()) + int(not seen.any(axis=0).all())
 
-    def dq_partial_written(self, xp=np):
-        """bool ([batch,] dq_partial_slots, q blocks): which slots of each query block hold a dq partial, slot s
-        the s-th key block of its run when that tile is visible (always, but for ids that are not sorted); a
-        batch dim when the segment table's ``batch`` is an array over it."""
-        q_blocks = xp.arange(-(-self.q_len // self.block_q))[None, :]
-        first, last = self._kv_block_run(q_blocks, xp)
-        kv_block = first + xp.arange(self.dq_partial_slots)[:, None]
-        last_kv_block = -(-self.kv_len // self.block_kv) - 1
-        written = (kv_block <= last) & self.visible(q_blocks, xp.minimum(kv_block, last_kv_block), xp)
-        return written & xp.ones(q_blocks.shape, bool)  # every q block's column, also where the band has none
+    def dq_partial_written(self) -> np.ndarray:
+        """bool (dq_partial_slots, q blocks): which slots of each query block hold a dq partial (a tile the
+        segment ids skip writes zeros to its slot)."""
+        band = self.band_only
+        q_blocks = np.arange(-(-self.q_len // self.block_q))
+        seen = np.broadcast_to(band.kv_blocks_seen(q_blocks, np), q_blocks.shape)  # a scalar without a band
+        return np.arange(self.dq_partial_slots)[:, None] < seen[None, :]
 
-    def dq_partial_slot(self, kv_block, q_block, xp):
+    def dq_partial_slot(self, kv_block, q_block, xp):  # called on the band alone (KernelSpec.blocks)
         """The slot the fused backward's step at (key block, q step) writes its dq partial to, in the row of
         the query block it fetches: the key block's place in that query block's run, so slot s of query
         block i holds a partial iff s < ``kv_blocks_seen(i)``. A skipped step writes the block of the

@@ -19,7 +19,7 @@ from ..semantics.roles import PAIRS
 from ..tpu.tiling import LANES, SUBLANES
 from . import arguments, compat
 from .block_geometry import BlockGeometry
-from .segment_blocks import SegmentBlocks, block_table
+from .segment_blocks import SegmentBlocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +86,9 @@ class KernelSpec:
         return self._geometry(offsets, None, 0)
 
     def geometry(self, key, batch) -> BlockGeometry:
-        """The block geometry of batch row ``batch`` with the prefetched ``key`` (:func:`prefetched_key`): an SMEM
-        ref in the kernels, an array on the host or in XLA (``batch`` may then be an array over batch rows). A
-        sequence shard's rows sit at the key's row offsets."""
+        """The block geometry of batch row ``batch`` with the prefetched ``key`` (kernels/arguments.py): an SMEM
+        ref in the kernels, an array on the host (segment_blocks.layout_key). A sequence shard's rows sit at the
+        key's row offsets."""
         offsets = row_offsets(key) if self.sequence_shard else None
         return self._geometry(offsets, key, batch)
 
@@ -343,8 +343,8 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
                     cost_estimate: pl.CostEstimate):
     """The jax function ``(dropout_key, *arrays) -> tuple of outputs`` around one pallas_call.
 
-    The key (int32 (5,): the dropout key, then row offsets; :func:`prefetched_key` appends the segment ids' block
-    table) is prefetched into SMEM; the last grid axis is the sequential (accumulating) one. ``cost_estimate``
+    The key (int32: the dropout key, then row offsets, then with segment ids their block table: kernels/arguments.py)
+    is prefetched into SMEM; the last grid axis is the sequential (accumulating) one. ``cost_estimate``
     (see :mod:`.cost`) is what XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
     """
     call = pl.pallas_call(
@@ -361,20 +361,6 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
     )
 
     def run(key, *arrays):
-        return tuple(call(prefetched_key(spec, key, arrays), *arrays))
+        return tuple(call(key, *arrays))
 
     return run
-
-
-def prefetched_key(spec: KernelSpec, key, arrays):
-    """What the kernels prefetch: the call's key (kernels/arguments.py), then, with segment ids, their block table
-    (kernels/segment_blocks.py), computed here by a small XLA op from the laid-out ids in ``arrays`` (the call's,
-    in argument order)."""
-    if not spec.segment_ids:
-        return key
-    names = [array.name for array in spec.arrays]
-    q_ids = arrays[names.index("segment_ids")][:, :, 0]  # (batch, q_pad, 128) -> (batch, q_pad)
-    kv_ids = arrays[names.index("kv_segment_ids")][:, 0, :]  # (batch, 8, kv_pad) -> (batch, kv_pad)
-    table = block_table(q_ids, kv_ids, q_len=spec.q_len, kv_len=spec.kv_len, block_q=spec.block_q,
-                        block_kv=spec.block_kv, xp=jnp)
-    return jnp.concatenate([key, table])

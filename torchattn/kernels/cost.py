@@ -71,12 +71,13 @@ def dkv_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEs
 
 
 def fused_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
-    """Fused backward kernel, the dk/dv grid: dk, dv, a float32 dq partial per visible tile (a skipped step
-    writes the block of the visible step it fetches, or a spare one: see BlockGeometry.dq_partial_slot),
-    and with ``with_ds`` the score gradient of every tile."""
+    """Fused backward kernel, the dk/dv grid: dk, dv, a float32 dq partial per tile the band leaves (a tile the
+    segment ids skip writes zeros; a step the band skips writes the block of the visible step it fetches, or a
+    spare one: see BlockGeometry.dq_partial_slot), and with ``with_ds`` the score gradient of every tile."""
     grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
-    slot = (blocks or spec.blocks).dq_partial_slot(grid.kv_block, grid.q_block, np)  # q_block: the fetched one
-    partials = grid.transfers([grid.batch, grid.kv_head], [grid.group, slot, grid.q_block])
+    band = _Grid.of_kv_grid(spec, spec.blocks)  # the partials' blocks follow the band alone
+    slot = spec.blocks.dq_partial_slot(band.kv_block, band.q_block, np)  # q_block: the fetched one
+    partials = band.transfers([band.batch, band.kv_head], [band.group, slot, band.q_block])
     written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))
                + partials * spec.block_q * spec.head_dim * _WORD)
     if with_ds:

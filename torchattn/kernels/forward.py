@@ -114,7 +114,7 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
 def forward_call(spec: KernelSpec):
     """The jax function (dropout_key, q, k, v, [segment_ids, kv_segment_ids], [bias]) -> (out, lse).
 
-    Shapes: dropout_key int32 (5,) (kernels/common.py: KEY_LENGTH); q (batch, q_heads, q_pad, head_dim); k, v (batch,
+    Shapes: dropout_key int32 (kernels/arguments.py: key_length); q (batch, q_heads, q_pad, head_dim); k, v (batch,
     kv_heads, kv_pad, head_dim); segment_ids int32 (batch, q_pad, 128); kv_segment_ids int32
     (batch, 8, kv_pad); bias as kernels/arguments.py lays it out. Returns out like q and lse
     float32 (batch, q_heads, q_pad, 128). Memoised: one function object per spec,

@@ -2,25 +2,28 @@
 of blocks whose ranges meet it.
 
 Two tokens see each other only with equal segment ids, so a (query block, key block) tile whose id ranges do not
-intersect holds no visible pair: in a row of packed documents most tiles pair two different documents. Before a
-kernel runs, a small XLA op (:func:`block_table`, jax.numpy) reduces the laid-out segment ids to a table of int32
-per block, appended to the prefetched key (kernels/arguments.py: KEY_LENGTH) and so read from SMEM by the index maps
-and ``pl.when`` (:class:`SegmentBlocks`); the band's skipping (kernels/block_geometry.py) then also skips these tiles
-and fetches none of their blocks. The same code runs on the host in NumPy on a given layout, for the cost estimate
-and the schedule reader (``xp`` is the array module).
+intersect holds no visible pair: in a row of packed documents most tiles pair two different documents. Before the
+kernels run, a few small XLA ops in the step's graph (:func:`block_table`, torch: the torch side builds the kernels'
+arguments, and torch_xla's compiled kernels are one custom call each, with nothing around them) reduce the segment
+ids to a table of int32 per block, appended to the prefetched key (kernels/arguments.py) and so read from SMEM by
+the index maps and ``pl.when`` (:class:`SegmentBlocks`); the band's skipping (kernels/block_geometry.py) then also
+skips these tiles and fetches none of their blocks. On the host the same table of a given layout
+(:func:`layout_key`) counts the tiles a call visits, for the cost estimate and the schedule reader.
 
 Per batch row the table holds, in order: the smallest and the largest id of each query block, of each key block
-(padding rows excluded: they see nothing), then for each query block the first and the last key block whose range
+(padding rows left out: they see nothing), then for each query block the first and the last key block whose range
 meets its own, and for each key block the first and the last such query block (0 and -1 where none does). Ranges
 meeting is necessary for a visible pair, not sufficient: with ids that are not sorted a tile may be kept that holds
-none, and a run may hold kept tiles between skipped ones (fetched, not computed); sorted ids, as packing writes
-them, make both exact.
+none, and a run may hold kept tiles between skipped ones (fetched, not computed); in one packed row of sorted ids
+(what packing writes) a tile is kept exactly when it holds a pair of one document, causal or not.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import torch
 
 from . import arguments
 
@@ -32,33 +35,36 @@ def table_length(batch: int, num_q_blocks: int, num_kv_blocks: int) -> int:
     return batch * 4 * (num_q_blocks + num_kv_blocks)
 
 
-def block_table(q_ids, kv_ids, *, q_len: int, kv_len: int, block_q: int, block_kv: int, xp):
-    """The flat int32 table (module docstring) of segment ids ``q_ids`` (batch, q_pad) and ``kv_ids``
-    (batch, kv_pad), rows past ``q_len``/``kv_len`` padding."""
-    q_low, q_high = _ranges(q_ids, q_len, block_q, xp)
-    kv_low, kv_high = _ranges(kv_ids, kv_len, block_kv, xp)
+def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, *, block_q: int, block_kv: int) -> torch.Tensor:
+    """The flat int32 table (module docstring) of segment ids ``q_ids`` (batch, q_len) and ``kv_ids``
+    (batch, kv_len), any integer dtype, for blocks of ``block_q`` queries and ``block_kv`` keys."""
+    q_low, q_high = _ranges(q_ids, block_q)
+    kv_low, kv_high = _ranges(kv_ids, block_kv)
     meet = (q_low[:, :, None] <= kv_high[:, None, :]) & (kv_low[:, None, :] <= q_high[:, :, None])
-    kv_first, kv_last = _run(meet, axis=2, xp=xp)
-    q_first, q_last = _run(meet, axis=1, xp=xp)
-    return xp.concatenate([q_low, q_high, kv_low, kv_high, kv_first, kv_last, q_first, q_last],
-                          axis=1).reshape(-1).astype(xp.int32)
+    kv_first, kv_last = _run(meet, dim=2)
+    q_first, q_last = _run(meet, dim=1)
+    return torch.cat([q_low, q_high, kv_low, kv_high, kv_first, kv_last, q_first, q_last], dim=1).reshape(-1)
 
 
-def _ranges(ids, length: int, block: int, xp):
-    """(smallest, largest) id of each block's real rows, (batch, blocks) each. Every block holds a real row."""
-    real = xp.arange(ids.shape[1])[None, :] < length
-    blocks = (ids.shape[0], ids.shape[1] // block, block)
-    low = xp.where(real, ids, _BIG).reshape(blocks).min(axis=2)
-    high = xp.where(real, ids, -_BIG).reshape(blocks).max(axis=2)
-    return low, high
+def _ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(smallest, largest) id of each block's rows, int32 (batch, blocks) each; the last block's padding rows
+    count for neither (every block holds a real row)."""
+    ids = ids.to(torch.int64)
+    pad = -ids.shape[1] % block
+    low = torch.nn.functional.pad(ids, (0, pad), value=_BIG).reshape(ids.shape[0], -1, block).amin(dim=2)
+    high = torch.nn.functional.pad(ids, (0, pad), value=-_BIG).reshape(ids.shape[0], -1, block).amax(dim=2)
+    return low.to(torch.int32), high.to(torch.int32)
 
 
-def _run(meet, axis: int, xp):
-    """(first, last) index along ``axis`` where ``meet`` holds, per row of the other axis; (0, -1) where none."""
-    index = xp.arange(meet.shape[axis]).reshape((-1, 1) if axis == 1 else (1, -1))[None]
-    first = xp.where(meet, index, meet.shape[axis]).min(axis=axis)
-    last = xp.where(meet, index, -1).max(axis=axis)
-    return xp.where(last >= 0, first, 0), last
+def _run(meet: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) index along ``dim`` where ``meet`` holds, per row of the other block axis; (0, -1) where
+    none does. int32."""
+    shape = [1, 1, 1]
+    shape[dim] = meet.shape[dim]
+    index = torch.arange(meet.shape[dim], device=meet.device).reshape(shape)
+    first = torch.where(meet, index, meet.shape[dim]).amin(dim=dim)
+    last = torch.where(meet, index, -1).amax(dim=dim)
+    return torch.where(last >= 0, first, 0).to(torch.int32), last.to(torch.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,16 +115,15 @@ class SegmentBlocks:
 
 
 def layout_key(spec, q_ids, kv_ids):
-    """A prefetched key (zeros, then the block table) on the host, in NumPy, for a layout of segment ids ``q_ids``
-    and ``kv_ids`` (length or (batch, length) each: one row for every batch row), unpadded: what
+    """A prefetched key on the host (zeros, then the block table at ``spec``'s blocks), NumPy int32, for a layout of
+    segment ids ``q_ids`` and ``kv_ids`` (length or (batch, length) each, one row for every batch row): what
     ``spec.geometry(key, batch)`` reads to count the tiles a call with those ids visits (the cost estimate, the
     schedule reader)."""
     import numpy as np
 
-    def laid_out(ids, length, pad):
-        ids = np.broadcast_to(np.asarray(ids, np.int32).reshape(-1, length), (spec.batch, length))
-        return np.pad(ids, ((0, 0), (0, pad - length)))
+    def rows(ids, length):
+        return torch.as_tensor(np.asarray(ids)).reshape(-1, length).expand(spec.batch, length)
 
-    table = block_table(laid_out(q_ids, spec.q_len, spec.q_pad), laid_out(kv_ids, spec.kv_len, spec.kv_pad),
-                        q_len=spec.q_len, kv_len=spec.kv_len, block_q=spec.block_q, block_kv=spec.block_kv, xp=np)
-    return np.concatenate([np.zeros(arguments.KEY_LENGTH, np.int32), table])
+    table = block_table(rows(q_ids, spec.q_len), rows(kv_ids, spec.kv_len), block_q=spec.block_q,
+                        block_kv=spec.block_kv)
+    return np.concatenate([np.zeros(arguments.KEY_LENGTH, np.int32), table.numpy()])

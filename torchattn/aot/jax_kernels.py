@@ -119,9 +119,11 @@ class _Shape:
     def block(self, rows: int, cols: int, itemsize: int | None = None) -> int:
         return rows * cols * (itemsize or self.itemsize)
 
-    def flops(self, attention: Attention, matmuls: int) -> float:
-        pairs = int(_keys_per_query(attention).sum())
-        return float(self.batch * self.heads * pairs * 2 * self.head_dim * matmuls)
+    def flops(self, attention: Attention, matmuls: int, documents=None) -> float:
+        """Useful FLOPs: the pairs the band leaves, within one of ``documents`` where given (schedule.band_pairs)."""
+        from .schedule import band_pairs
+
+        return float(self.batch * self.heads * band_pairs(attention, documents) * 2 * self.head_dim * matmuls)
 
 
 def _refuse(attention: Attention, kernel: str, served: frozenset[str], refusals: dict[str, str] | None = None,

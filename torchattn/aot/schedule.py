@@ -223,8 +223,9 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
     Segment ids are data. Without ``documents`` every tile the band leaves counts, and every pair. With
     ``documents`` (the packed documents' lengths, one row for every batch row: Attention.document_ids), the
     tiles are those their block table leaves (kernels/segment_blocks.py), the useful pairs those within a
-    document, and each skipped grid step counts as an idle step: the step's work outside its tile paths (the
-    index maps, the scalar reads of the table), which the kernels' static grid still runs."""
+    document, and each skipped grid step of a kernel with several tile paths counts as an idle step: the step's
+    work outside its paths (the index maps, the scalar reads of the table), which the kernels' static grid still
+    runs (a kernel with one path: :func:`_path_steps`)."""
     import numpy as np
 
     from ..kernels import arguments, cost
@@ -253,7 +254,7 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
                             cost.dq_cost(spec, spec.score_grad, blocks), 3),
             "backward_dkv": (kv_grid, cost.dkv_cost(spec, blocks), 4),
             "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad, blocks), 5)}[name]
-        pairs = attention.batch * attention.q_heads * _band_pairs(attention, documents)
+        pairs = attention.batch * attention.q_heads * band_pairs(attention, documents)
         path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks,
                                  zeroed_dq=name == "backward_fused" and spec.segment_ids)
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
@@ -267,29 +268,30 @@ WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the scor
 
 
 def _path_steps(spec, zeroed_skips: bool, layout=None, zeroed_dq: bool = False) -> tuple[int, ...]:
-    """Grid steps on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles,
-    masked ones, the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds), the skipped tiles
-    whose ds is zeroed, then, when ``zeroed_dq`` (the fused backward of a call with segment ids), the tiles the
-    ids skip inside the band, whose dq partial is zeroed; () for a kernel with one path and nothing else
-    predicated per step. ``layout``: a geometry over segment ids' block table, whose skipped tiles take no path
-    (idle steps, the caller's; a tile's path is then predicated on data, a region of the schedule however many
-    paths there are); without one every tile the band leaves counts as visible."""
+    """Grid steps, in program order: when ``zeroed_dq`` (the fused backward of a call with segment ids) on the tiles
+    the ids skip inside the band, whose dq partial is zeroed (kernels/backward.py), then on each of a torchattn
+    kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles, masked ones, the causal diagonal's),
+    then, when ``zeroed_skips`` (a kernel writing ds), on the skipped tiles whose ds is zeroed; () for a kernel
+    with one path and nothing else predicated per step (its skipped steps then cost nothing: the schedule cannot
+    tell a step's work outside its one path from the rest). ``layout``: a geometry over segment ids' block
+    table, whose skipped tiles take no path (idle steps, the caller's); without one every tile the band leaves
+    counts as visible."""
     import numpy as np
 
     from ..kernels import common
 
     kinds = common.tile_kinds(spec, layout)
-    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips and layout is None and not zeroed_dq:
+    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips and not zeroed_dq:
         return ()
     visible = np.logical_or.reduce(list(kinds.values()))
     counts = [int(tiles.sum()) for tiles in kinds.values()] + ([int((~visible).sum())] if zeroed_skips else [])
     if zeroed_dq:
         band = np.logical_or.reduce(list(common.tile_kinds(spec).values()))
-        counts.append(int((band & ~visible).sum()))
+        counts.insert(0, int((band & ~visible).sum()))
     return tuple(spec.batch * spec.q_heads * n for n in counts)
 
 
-def _band_pairs(attention, documents=None) -> int:
+def band_pairs(attention, documents=None) -> int:
     """Query-key pairs of one (batch, head) slice inside the causal/window band, and within one of
     ``documents`` (their lengths, packed in order: the band is the same within each, queries and keys aligned)."""
     from ..semantics import masks

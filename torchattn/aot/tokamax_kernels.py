@@ -119,7 +119,7 @@ def forward_kernel(attention: Attention, generation: str, config=None, *, residu
                   (SUBLANES * b.block_kv * _F32, lambda n, h, g: (n, cols_of[g]))]
     visible = per_slice * int((kinds > 0).sum())
     built = _kernel("forward", jax.vmap(call), splash_structs(attention, shape), (shape.batch, shape.heads, count),
-                    visible, per_slice * len(np.unique(rows_of)), moved, shape.flops(attention, 2))
+                    visible, per_slice * len(np.unique(rows_of)), moved, shape.flops(attention, 2, documents))
     if info.active_rows is None:  # a full mask: one path; init and write predicated on the grid index
         return built
     # The regions in program order: init, the full path, the masked path, the write.
@@ -187,7 +187,7 @@ def backward_kernels(attention: Attention, generation: str, config=None, *, docu
     per_slice = shape.batch * shape.heads
     structs = splash_structs(attention, shape) + splash_residual_structs(shape)
     fused = _kernel("backward_fused", jax.vmap(dkv), structs, grid, per_slice * int((kinds > 0).sum()), rows, moved,
-                    shape.flops(attention, 5))
+                    shape.flops(attention, 5, documents))
     if info.block_mask is not None:
         fused = dataclasses.replace(fused, **_paths(kinds, per_slice))
     if dynamic:

@@ -150,6 +150,10 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
     visible = spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp)
+    if fused and spec.segment_ids:  # the band's slot of a tile the ids skip: zeros, as the dq sum reads it
+        @pl.when(spec.blocks.visible(q_block, kv_block, jnp) & jnp.logical_not(visible))
+        def _zero_dq():
+            dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
     def tile(masked: bool, rows=slice(0, None), cols=slice(0, None)):
         q, k, do = inputs["q"][rows, :], inputs["k"][cols, :], inputs["do"][rows, :]
@@ -171,10 +175,6 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
 
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
-    if fused and spec.segment_ids:  # the band's slot of a tile the ids skip: zeros, as the dq sum reads it
-        @pl.when(spec.blocks.visible(q_block, kv_block, jnp) & jnp.logical_not(visible))
-        def _zero_dq():
-            dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
     @pl.when(step == spec.groups * spec.num_q_blocks - 1)
     def _finish():

@@ -75,7 +75,7 @@ def fused_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = N
     segment ids skip writes zeros; a step the band skips writes the block of the visible step it fetches, or a
     spare one: see BlockGeometry.dq_partial_slot), and with ``with_ds`` the score gradient of every tile."""
     grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
-    band = _Grid.of_kv_grid(spec, spec.blocks)  # the partials' blocks follow the band alone
+    band = grid if blocks is None else _Grid.of_kv_grid(spec, spec.blocks)  # the partials follow the band alone
     slot = spec.blocks.dq_partial_slot(band.kv_block, band.q_block, np)  # q_block: the fetched one
     partials = band.transfers([band.batch, band.kv_head], [band.group, slot, band.q_block])
     written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))

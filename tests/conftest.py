@@ -54,7 +54,8 @@ HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 def pytest_collection_modifyitems(config, items):
     """The modules setup.cfg's ``first_modules`` lists run first, in its order (under pytest-xdist each
     module runs on one worker: the longest started first, the workers finish together); without torch_xla,
-    skip the tests that need it (``@pytest.mark.xla``, or taking the ``device`` fixture); skip
+    skip the tests that need it (``@pytest.mark.xla``, or taking the ``device`` fixture), with it the ones that
+    run once, in .venv-current (``@pytest.mark.current``); skip
     ``@pytest.mark.tpu`` tests unless PJRT_DEVICE=TPU (decided without touching a device)."""
     rank = {name: i for i, name in enumerate(config.getini("first_modules"))}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
@@ -63,6 +64,11 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("xla") or "device" in getattr(item, "fixturenames", ()):
                 item.add_marker(no_xla)
+    else:
+        once = pytest.mark.skip(reason="the same code on both stacks: runs once, in .venv-current (the newest)")
+        for item in items:
+            if item.get_closest_marker("current"):
+                item.add_marker(once)
     if os.environ["PJRT_DEVICE"].upper() == "TPU":
         return
     skip = pytest.mark.skip(reason=f"needs a real TPU (PJRT_DEVICE={os.environ['PJRT_DEVICE']}, not TPU)")

@@ -34,6 +34,14 @@ def pairwise_cases(seed: int = 0, candidates: int = 40) -> list[Case]:
     return [case_of(values) for values in pairwise(PARAMETERS, seed, candidates)]
 
 
+def this_stacks_share(cases: list) -> list:
+    """A matrix split between the two stacks: .venv (torch_xla) takes the even cases, .venv-current the odd ones.
+    Every case runs once, on one stack, and each value of every parameter appears on both."""
+    from torchattn import _versions
+
+    return cases[::2] if _versions.installed_stack() == "xla" else cases[1::2]
+
+
 def pairwise(parameters: dict[str, list], seed: int = 0, candidates: int = 40) -> list[dict]:
     """Picks of one value per parameter (name -> value) in which every pair of values of two parameters meets."""
     names = list(parameters)

@@ -1,5 +1,6 @@
 """``python -m torchattn.aot``: the command compiles with libtpu's compiler, prints one row per kernel,
-and exits 1 (compiler's reason) or 2 (bad flag) as documented."""
+and exits 1 (compiler's reason) or 2 (bad flag) as documented. The example command runs on both stacks; the rest,
+the same code on both, in .venv-current (``@pytest.mark.current``)."""
 
 import os
 import subprocess
@@ -66,6 +67,7 @@ def test_example_command_prints_each_kernel_with_default_blocks_and_hbm():
     assert float(rows[0]["hbm_args_MiB"]) == pytest.approx((4 + (32 + 8 + 8) * head_bytes) / 2**20, abs=0.05)
 
 
+@pytest.mark.current
 def test_every_feature_flag_compiles(capsys):
     result = run_main(capsys, "--generation", "v5e", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "64",
                       "--seq-len", "700", "--kv-len", "1000", "--window", "128,0", "--softcap", "30",
@@ -78,6 +80,7 @@ def test_every_feature_flag_compiles(capsys):
     assert {row["kernel"]: (row["block_q"], row["block_kv"]) for row in rows} == blocks
 
 
+@pytest.mark.current
 def test_generation_all_takes_each_generations_defaults_under_the_given_blocks(capsys):
     """'all': each generation this environment's libtpu compiles for (v7x only in .venv-current)."""
     result = run_main(capsys, "--generation", "all", "--q-heads", "2", "--head-dim", "128", "--seq-len", "512",
@@ -93,6 +96,7 @@ def test_generation_all_takes_each_generations_defaults_under_the_given_blocks(c
             == blocks, name
 
 
+@pytest.mark.current
 def test_the_backward_a_call_gets_is_the_one_compiled(capsys):
     """Llama-3-8B at 8k tokens on v5e gets the fused backward (its dq partials fit: kernels/backward.fused)."""
     result = run_main(capsys, "--generation", "v5e", *LLAMA_8K)
@@ -116,6 +120,7 @@ def assert_one_line_failure(result: subprocess.CompletedProcess, *words: str) ->
     assert all(word in lines[0] for word in words), lines[0]
 
 
+@pytest.mark.current
 def test_schedule_prints_each_kernels_compiler_estimates():
     result = run_cli("--schedule", "--generation", "v5e", "--q-heads", "2", "--seq-len", "1024", "--head-dim", "128",
                      "--block-q", "512", "--block-kv", "512", "--block-q-bwd", "512", "--block-kv-bwd", "512",
@@ -133,6 +138,7 @@ def test_schedule_prints_each_kernels_compiler_estimates():
         assert 0 < float(row["est_frac_peak"]) <= 1, row
 
 
+@pytest.mark.current
 def test_v7x_schedule_prints_share_of_peak_and_bound_unit_with_the_error_bar():
     if "v7x" not in generations.compile_targets():
         pytest.skip("libtpu 0.0.21 does not compile for v7x: runs in .venv-current")
@@ -147,11 +153,13 @@ def test_v7x_schedule_prints_share_of_peak_and_bound_unit_with_the_error_bar():
         assert 0 < float(row["est_frac_peak"]) <= 1 or row["kernel"] == "dq_reduction", row
 
 
+@pytest.mark.current
 def test_blocks_too_large_for_vmem_exit_1_with_one_line_reason(capsys):
     result = run_main(capsys, "--generation", "v4", *LLAMA_8K, "--block-q", "2048", "--block-kv", "1024")
     assert_one_line_failure(result, "v4", "VMEM")
 
 
+@pytest.mark.current
 def test_sequence_too_long_for_hbm_exit_1_with_the_compilers_reason():
     """3 * 2**17 tokens: the backward kernels' arguments alone need 19.5 GiB; a v5e chip has 16. libtpu 0.0.21
     says "memory space hbm", 0.0.52 "Ran out of memory on HBM"."""
@@ -160,6 +168,7 @@ def test_sequence_too_long_for_hbm_exit_1_with_the_compilers_reason():
     assert "memory space hbm" in result.stderr or "Ran out of memory on HBM" in result.stderr, result.stderr
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("flag, value, says", [
     ("--generation", "v9", "invalid choice"),
     ("--window", "x", "LEFT,RIGHT"),
@@ -186,6 +195,7 @@ def test_bad_arguments_exit_2_naming_the_flag(flag, value, says, capsys):
     assert f"argument {flag}:" in error and says in error, error
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("text, window", [("128,0", (128, 0)), (",0", (None, 0)), ("4096,", (4096, None)),
                                           ("None,16", (None, 16)), (",", (None, None))])
 def test_window_sides_may_be_unbounded(text, window):
@@ -194,6 +204,7 @@ def test_window_sides_may_be_unbounded(text, window):
     assert args.window == window
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("value", ["-5,3", "-1,"])
 def test_a_window_starting_with_minus_is_read_as_the_flags_value(value, capsys):
     """``--window -5,3`` (two words): argparse would take -5,3 for an option ("expected one argument")."""
@@ -204,12 +215,14 @@ def test_a_window_starting_with_minus_is_read_as_the_flags_value(value, capsys):
     assert "argument --window: window: expected left to be an int >= 0 or None, got -" in error, error
 
 
+@pytest.mark.current
 def test_window_as_two_words():
     args = parse_args(["--generation", "v5e", "--q-heads", "2", "--seq-len", "64", "--head-dim", "64",
                        "--window", "16,0", "--causal"])
     assert args.window == (16, 0) and args.causal
 
 
+@pytest.mark.current
 def test_documents_print_the_visited_share_of_tiles_beside_the_masks(capsys):
     result = run_main(capsys, "--generation", "v5e", "--q-heads", "2", "--seq-len", "1024", "--head-dim", "128",
                       "--causal", "--documents", "300,200*3,124", "--block-q", "128", "--block-kv", "128",

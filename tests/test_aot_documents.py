@@ -14,6 +14,8 @@ import pytest
 from brute_force import sees
 from torchattn.kernels.block_sizes import BlockSizes
 
+pytestmark = pytest.mark.current  # the same code on both stacks: runs once, in .venv-current (conftest.py)
+
 pytest.importorskip("jax")
 
 from torchattn.aot import Attention, documents, schedule  # noqa: E402

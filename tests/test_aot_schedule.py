@@ -16,6 +16,8 @@ import pytest
 from torchattn.tpu import generations
 from torchattn.aot import schedule, schedule_dump
 
+pytestmark = pytest.mark.current  # the same code on both stacks: runs once, in .venv-current (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 V5E_MXU_MACS_PER_CYCLE = 4 * 128 * 128  # v5e's schedule names mxu0..mxu3, each a 128 x 128 array
 

@@ -25,6 +25,8 @@ from torchattn.kernels.arguments import KEY_LENGTH
 from torchattn.kernels.block_geometry import BlockGeometry
 from torchattn.kernels.segment_blocks import SegmentBlocks, block_table
 
+pytestmark = pytest.mark.current  # the same code on both stacks: runs once, in .venv-current (conftest.py)
+
 LENGTHS = (1, 7, 16, 33)  # q_len != kv_len both ways, non-multiples of every block, shorter than a block
 BLOCKS = (3, 8, 16, 64)
 WINDOWS = [None] + list(itertools.product((None, 0, 1, 5, 17), (None, 0, 2, 9)))

@@ -13,6 +13,8 @@ import pytest
 
 from torchattn.kernels.block_sizes import BlockSizes
 
+pytestmark = pytest.mark.current  # the same code on both stacks: runs once, in .venv-current (conftest.py)
+
 jax = pytest.importorskip("jax")
 pytest.importorskip("libtpu")
 

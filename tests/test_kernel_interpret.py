@@ -3,13 +3,12 @@ through JAX in .venv-current (the ``kernel_device`` fixture)."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
 
 import torchattn
-from matrix import drawn_cases, pairwise_cases
+from matrix import drawn_cases, pairwise_cases, this_stacks_share
 from numerics import Case, check_backend, sync
 from torchattn.aot import Attention
 from torchattn.kernels.block_sizes import BlockSizes
@@ -18,9 +17,11 @@ pytest.importorskip("jax")
 from torchattn.kernels import backward, common  # noqa: E402 (imports jax)
 
 BACKEND = "interpret"
-# Under torch_xla the kernels run inside its graph (call_jax): every other case of the matrix there (each value of
-# every parameter still appears), the whole matrix through JAX in .venv-current, for the suite's time.
-MATRIX = pairwise_cases()[::2] if importlib.util.find_spec("torch_xla") else pairwise_cases()
+# The matrix split between the stacks, for the suite's time: under torch_xla the kernels run inside its graph
+# (call_jax, jax 0.7.1), in .venv-current through JAX 0.12, whose simulator tier (tests/test_kernel_simulated.py)
+# runs a pairwise matrix of its own. The tests of one kernel feature each (its tile paths, blocks, backwards;
+# ``@pytest.mark.current``) check the kernels' own logic, the same on both stacks: they run once, in .venv-current.
+MATRIX = this_stacks_share(pairwise_cases())
 
 
 @pytest.mark.parametrize("case", MATRIX, ids=str)
@@ -30,6 +31,7 @@ def test_matches_reference_forward_and_backward(case, kernel_device):
 
 # Calls drawn for this check alone (seed 32): the kernels' arithmetic (base-2 logits, q times the scale once in its
 # own dtype: kernels/common.py) holds the bfloat16 rule off the matrix it was developed against.
+@pytest.mark.current
 @pytest.mark.parametrize("case", drawn_cases(seed=32, count=4, dtype=torch.bfloat16), ids=str)
 def test_held_out_bfloat16_calls_match_reference(case, kernel_device):
     check_backend(case, BACKEND, device=kernel_device)
@@ -47,6 +49,7 @@ OTHER_BACKWARD = [
 ]
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("case", OTHER_BACKWARD, ids=str)
 def test_the_backward_not_taken_by_default_matches_reference(case, kernel_device, monkeypatch):
     """Every call takes one of the two backwards (fused, or dq and dk/dv); the matrix runs the default one,
@@ -67,6 +70,7 @@ MASK_FREE = [Case(), Case(batch=1, q_len=128, kv_len=256, bias="broadcast"),
                   bias="full", dropout_p=0.1)]
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("case", MASK_FREE, ids=str)
 def test_calls_every_tile_of_which_is_full_take_the_mask_free_path(case, kernel_device):
     """No band, no padding, no segment ids: the kernels build only their mask-free path, and match."""
@@ -78,6 +82,7 @@ def test_calls_every_tile_of_which_is_full_take_the_mask_free_path(case, kernel_
     check_backend(case, BACKEND, device=kernel_device)
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("block_sizes", [
     torchattn.BlockSizes(block_q=8, block_kv=128, block_q_bwd=16, block_kv_bwd=128),
     torchattn.BlockSizes(block_q=64, block_kv=256, block_q_bwd=32, block_kv_bwd=128),
@@ -100,6 +105,7 @@ def test_many_blocks_with_skipping(block_sizes, kernel_device):
         torch.testing.assert_close(g.cpu(), r.float(), atol=5e-5, rtol=1e-4, msg=f"d{name}")
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("kwargs", [dict(causal=True), dict(window=(200, 100), softcap=20.0)], ids=["causal", "window"])
 def test_tiles_inside_the_band_take_the_mask_free_path(kwargs, kernel_device):
     """A band over many tiles: the ones inside it run mask-free, the ones it cuts masked (both paths built);
@@ -132,6 +138,7 @@ DIAGONAL = [Case(batch=1, q_len=512, kv_len=768, head_dim=64, causal=True, bias=
                  bias="broadcast", dtype=torch.bfloat16)]
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("case", DIAGONAL, ids=str)
 def test_causal_diagonal_tiles_take_the_diagonal_path(case, fused, kernel_device, monkeypatch):
@@ -156,6 +163,7 @@ COMPUTE = [(Case(batch=1, q_len=300, kv_len=700, head_dim=64, segments="padding"
             torchattn.BlockSizes(256, 256, 256, 256, block_kv_compute=128))]
 
 
+@pytest.mark.current
 @pytest.mark.parametrize("case, blocks", COMPUTE, ids=[str(case) for case, _ in COMPUTE])
 def test_a_compute_block_inside_the_key_block_matches_reference(case, blocks, kernel_device):
     check_backend(case, BACKEND, device=kernel_device,
@@ -166,6 +174,7 @@ def test_a_compute_block_inside_the_key_block_matches_reference(case, blocks, ke
 # v6e's and v7x's forward sums p on the MXU at head_dim 128 in bfloat16 (kernels/forward.py, row_sum_on_mxu): here
 # forced on (off a TPU no generation turns it on), over two compute blocks, the diagonal path and segment ids.
 # A shape of its own: a kernel traced before with the vector-unit sum would be reused.
+@pytest.mark.current
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_the_row_sum_on_the_mxu_matches_reference(causal, kernel_device, monkeypatch):
     from torchattn.kernels import forward

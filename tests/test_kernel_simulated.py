@@ -42,9 +42,9 @@ from torchattn.backends.reference import attention_reference  # noqa: E402
 
 BACKEND = "simulated"
 CPU = torch.device("cpu")
-# 32-row query blocks and 128-key blocks: every call of more than 32 rows or 128 keys takes several grid steps
-# along that axis.
-SMALL = torchattn.BlockSizes(block_q=32, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
+# 64-row query blocks and 128-key blocks: every call of more than 64 rows or 128 keys takes several grid steps
+# along that axis (the simulator's time is per step: 32-row blocks doubled it for no other axis).
+SMALL = torchattn.BlockSizes(block_q=64, block_kv=128, block_q_bwd=64, block_kv_bwd=128)
 
 PARAMETERS = {
     "lengths": [(1, 1), (113, 113), (129, 300), (300, 129)],  # ragged: no length a multiple of a block
@@ -106,10 +106,9 @@ def test_a_sequence_shards_rows_see_their_global_positions(balanced):
     offsets = context.row_offsets(length, shards, balanced)
     half = length // shards // 2
     options = dataclasses.replace(request.options, sequence_shard=(length, half),
-                                  block_sizes=torchattn.BlockSizes(block_q=32, block_kv=128, block_q_bwd=32,
-                                                                   block_kv_bwd=128))
+                                  block_sizes=SMALL)
     tensors = request.tensors(1, 1, offsets)
-    assert not backward.fused(kernel_calls.kernel_spec(tensors, options, 32, 128, SIMULATED))
+    assert not backward.fused(kernel_calls.kernel_spec(tensors, options, SMALL.block_q, SMALL.block_kv, SIMULATED))
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for shard in range(shards):
         rows = torch.cat([torch.arange(start, start + half) for start in offsets[shard].tolist()])

@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.current  # the same code on both stacks: runs once, in .venv-current (conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _spec = importlib.util.spec_from_file_location("search_blocks", os.path.join(ROOT, "scripts", "search_blocks.py"))
 search_blocks = importlib.util.module_from_spec(_spec)

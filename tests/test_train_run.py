@@ -289,8 +289,8 @@ def test_bbc_topics_recipe_runs_a_few_steps(tmp_path, capsys):
 @pytest.mark.slow
 def test_sotu_lm_recipe_runs_a_few_steps(tmp_path):
     out = str(tmp_path / "sotu")
-    done = train_tiny.run_train(["--recipe", "sotu-lm", "--max-length", "128", "--max-steps", "1", "--grad-accum",
-                                 "2", "--eval-batches", "2", "--output-dir", out])
+    done = train_tiny.run_train(["--recipe", "sotu-lm", "--max-length", "64", "--max-steps", "1", "--grad-accum",
+                                 "2", "--eval-batches", "1", "--output-dir", out])
     printed = done.stdout
     assert done.returncode == 0, done.stderr[-3000:]
     evals = [r for r in records(out) if r.get("eval")]

@@ -3,7 +3,7 @@
 The runs with a mesh are subprocesses (SPMD must be on before anything touches the XLA device;
 this pytest process is single-device); their single-device twins run here. Equivalence: with
 dropout off, a run over a mesh (data=2 x fsdp=2, data=2 x model=2, fsdp=2 x context=2 with the
-tokens in their natural or the balanced order, or the default fsdp over every device) logs the
+tokens in the balanced order, or the default fsdp over every device) logs the
 same loss at every step as the single-device run with the same flags and global batch.
 """
 
@@ -423,25 +423,6 @@ def long_documents(llama, tmp_path_factory) -> dict:
     return {"flags": flags, "one": losses(folder / "one")}
 
 
-@pytest.mark.slow
-def test_a_context_axis_splits_the_sequence_and_logs_the_single_device_losses(long_documents, tmp_path):
-    """fsdp=2 x context=2: each device holds 2 rows of 128 of the 4 x 256 tokens of a micro-batch, attention
-    gathers K/V along the sequence, and the losses of the accumulated steps are the single-device ones."""
-    spmd = run_spmd(["tests/spmd_train_probe.py", *long_documents["flags"], *CONTEXT_MESH,
-                     "--output-dir", str(tmp_path)])
-    assert spmd.returncode == 0, spmd.stderr[-3000:]
-    probe = json.loads(spmd.stdout.strip().splitlines()[-1])
-    assert probe["summary"]["mesh"] == "fsdp=2,context=2 (4 devices, 1 host)"
-    assert len(long_documents["one"]) == 2
-    difference = largest_relative_difference(probe["losses"], long_documents["one"])
-    print(f"fsdp=2 x context=2: largest relative loss difference per step {difference:.2e}")
-    assert probe["losses"] == pytest.approx(long_documents["one"], rel=CONTEXT_REL)
-    for name in ("input_ids", "position_ids", "labels"):
-        assert probe["batch"][name] == {"shape": [4, 256], "shards": [[2, 128]] * 4}, name
-    # context shards no parameter: each is split over fsdp only, the same on the two devices of a context pair.
-    assert probe["parameters"]["model.embed_tokens.weight"]["shards"] == [[15261, 32]] * 4
-
-
 @pytest.fixture(scope="module")
 def balanced_run(long_documents, tmp_path_factory) -> dict:
     """The long-document run with --balance-context over fsdp=2 x context=2, uninterrupted (its probe)."""
@@ -454,7 +435,11 @@ def balanced_run(long_documents, tmp_path_factory) -> dict:
 
 @pytest.mark.slow
 def test_a_balanced_context_run_logs_the_single_device_losses(long_documents, balanced_run):
-    """The tokens in the dual-chunk order (labels shifted before the reorder): the same losses as one device."""
+    """fsdp=2 x context=2: each device holds 2 rows of 128 of the 4 x 256 tokens of a micro-batch, in the
+    dual-chunk order (labels shifted before the reorder), attention gathers K/V along the sequence, and the losses
+    of the accumulated steps are the single-device ones. (The natural order's split is the same gather without the
+    reorder: its kernels per device in tests/test_spmd_context.py, its step compiled in
+    tests/test_train_compile_only.py.)"""
     probe = balanced_run["probe"]
     difference = largest_relative_difference(probe["losses"], long_documents["one"])
     print(f"fsdp=2 x context=2, balanced: largest relative loss difference per step {difference:.2e}")
@@ -462,6 +447,8 @@ def test_a_balanced_context_run_logs_the_single_device_losses(long_documents, ba
     assert sorted(probe["batch"]) == ["input_ids", "position_ids", "shift_labels"]
     for layout in probe["batch"].values():
         assert layout == {"shape": [4, 256], "shards": [[2, 128]] * 4}
+    # context shards no parameter: each is split over fsdp only, the same on the two devices of a context pair.
+    assert probe["parameters"]["model.embed_tokens.weight"]["shards"] == [[15261, 32]] * 4
 
 
 @pytest.mark.slow

@@ -73,8 +73,8 @@ def test_the_default_recipe_short_trains_evaluates_and_saves(bert, docs_csv, tmp
 
 
 # For the suite's time: fsdp alone is data=2,fsdp=2 without its replicas, and the context axis runs in the balanced
-# order only (the natural order is the same K/V gather without the reorder; both orders run under torch_xla:
-# tests/test_train_spmd.py).
+# order only (the natural order is the same K/V gather without the reorder), as under torch_xla
+# (tests/test_train_spmd.py).
 @pytest.mark.parametrize("mesh, processes", [("data=2,fsdp=2", 4), ("model=2", 2), ("context=2 --balance-context", 2)])
 def test_a_mesh_of_processes_logs_the_single_process_losses(lm_flags, one_process, tmp_path, mesh, processes):
     """FSDP2 (fsdp), replicas of its shards (data: HSDP), tensor parallel over the heads (model), the sequence split

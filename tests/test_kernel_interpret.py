@@ -3,7 +3,6 @@ through JAX in .venv-current (the ``kernel_device`` fixture)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -77,8 +77,8 @@ def test_the_default_recipe_short_trains_evaluates_and_saves(bert, docs_csv, tmp
 # (tests/test_train_spmd.py).
 @pytest.mark.parametrize("mesh, processes", [("data=2,fsdp=2", 4), ("model=2", 2), ("context=2 --balance-context", 2)])
 def test_a_mesh_of_processes_logs_the_single_process_losses(lm_flags, one_process, tmp_path, mesh, processes):
-    """FSDP2 (fsdp), replicas of its shards (data: HSDP), tensor parallel over the heads (model), the sequence split
-    with K/V gathered by torchattn per layer (context, in the natural or dual-chunk order): the losses and held-out
+    """FSDP2 with replicas of its shards (data=2,fsdp=2: HSDP), tensor parallel over the heads (model), the sequence
+    split with K/V gathered by torchattn per layer (context, in the dual-chunk order): the losses and held-out
     perplexity of one process, within float32 rounding."""
     flags = lm_flags + ["--output-dir", str(tmp_path), "--mesh", *mesh.split(" ")]
     done = train_tiny.run_train(flags, processes=processes)

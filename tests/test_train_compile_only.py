@@ -230,6 +230,33 @@ def test_ctrl_c_stops_the_sweep_with_one_line_and_status_130(llama, tmp_path, mo
     assert "Traceback" not in captured.err + captured.out
 
 
+def test_a_signal_whose_raise_python_drops_still_stops_the_sweep_after_its_row(llama, tmp_path, monkeypatch, capsys):
+    """A handler runs wherever Python is; in a gc callback or a __del__ (JAX's gc callback, in CI) Python drops
+    the exception it raises. The sweep stops after the row in flight all the same, with its one line and 143."""
+    class Collected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(1000))  # bytecode after the kill: the handler runs here, inside __del__
+
+    def trace(model_config, config, attn, length):
+        Collected()  # dropped at once: its __del__ runs now
+        return "", 0
+
+    def compile_(text, donated, target, attn, length):
+        return compile_only.Row(attn, length, True, argument_bytes=1, total_bytes=1)
+
+    monkeypatch.setattr(compile_only, "step_graph", trace)
+    monkeypatch.setattr(compile_only, "compile_row", compile_)
+    report = tmp_path / "hbm.csv"
+    status = main(_flags(llama, report, "--compile-only", "v5e", "--compile-lengths", "64,128",
+                         "--compile-attn", "eager"))
+    captured = capsys.readouterr()
+    assert status == 128 + signal.SIGTERM, captured
+    assert captured.err.startswith("python -m train: interrupted (SIGTERM)") and captured.err.count("\n") == 1, \
+        captured.err
+    assert [row["length"] for row in _rows(report)] == ["64"], "the row in flight, and no other"
+
+
 def test_the_model_is_built_by_the_runs_own_function(llama, tmp_path, monkeypatch):
     from train import models
     from train.config import parse_args

@@ -40,6 +40,7 @@ import contextlib
 import copy
 import csv
 import dataclasses
+import functools
 import gc
 import importlib.util
 import math
@@ -373,12 +374,29 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+_received: list[int] = []  # the signal _stop saw, kept for _stop_if_signalled
+
+
 def _stop(signum, frame):
     # Once: a second signal (Ctrl-C reaches the whole process group, and a parent forwards it too) must not
     # interrupt the line this one prints.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    _received.append(signum)
     raise _Stopped(signum)
+
+
+def _stop_if_signalled() -> None:
+    """Raises the signal _stop saw once more: a handler runs wherever Python is, and when that is a gc callback
+    (JAX's, torch_xla's) or a __del__, Python drops the exception it raised and the sweep carries on."""
+    if _received:
+        raise _Stopped(_received[0])
+
+
+def _drop_lost_stops(report, unraisable) -> None:
+    # A _Stopped dropped there is not lost (_stop_if_signalled raises it again): no traceback for it.
+    if not isinstance(unraisable.exc_value, _Stopped):
+        report(unraisable)
 
 
 def require_torch_xla(runtime: str) -> None:
@@ -395,7 +413,10 @@ def run(config: RunConfig) -> int:
     Ctrl-C or SIGTERM stops it with one line on stderr and status 128 + the signal (130, 143), as it
     stops training; the CSV, replaced whole after every row, keeps the rows compiled before."""
     require_torch_xla(config.parallel.runtime)
+    _received.clear()
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = functools.partial(_drop_lost_stops, previous_hook)
     try:
         return _sweep(config)
     except (_Stopped, KeyboardInterrupt) as error:
@@ -409,6 +430,7 @@ def run(config: RunConfig) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        sys.unraisablehook = previous_hook
 
 
 def _sweep(config: RunConfig) -> int:
@@ -465,6 +487,7 @@ def _sweep(config: RunConfig) -> int:
                     rows.append(extrapolate(pair, cuts, layers, generations.get(target.generation).hbm_bytes))
                 print(table_lines(rows[-1:])[1], flush=True)
                 write_csv(rows, target, path)  # after every row: an interrupted sweep keeps what it compiled
+                _stop_if_signalled()
     print(fitting(rows, target))  # the rows were printed as they came
     print(f"written: {path}")
     if not any(row.compiled for row in rows):

@@ -163,6 +163,22 @@ def docs_csv(tmp_path_factory):
 
 
 @pytest.fixture
+def take_backward(monkeypatch):
+    """``take(choice)`` sets which backward the kernels take (torchattn.kernels.backward.fused): a bool, or a function
+    of the KernelSpec. It also forgets the bodies traced for torch_xla so far (torchattn/internals.py traces a
+    custom op's body once per call signature, of which the choice, in the library a function of it, is not part):
+    a call like an earlier test's would otherwise run that test's backward."""
+    from torchattn import internals
+    from torchattn.kernels import backward
+
+    def take(choice):
+        monkeypatch.setattr(backward, "fused", choice if callable(choice) else lambda spec: choice)
+        monkeypatch.setattr(internals, "_TRACED", {})
+
+    return take
+
+
+@pytest.fixture
 def fake_tpu(monkeypatch):
     """torchattn sees a TPU v5e: its device reads (torchattn.tpu.devices) answer "TPU" and "TPU v5 lite".
 

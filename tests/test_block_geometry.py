@@ -220,8 +220,7 @@ def documents(length: int, rng, ordered: bool) -> np.ndarray:
 def with_segments(g: BlockGeometry, q_ids: np.ndarray, kv_ids: np.ndarray) -> BlockGeometry:
     """``g`` for batch row 0 of a layout: its table after the prefetched key's own entries."""
     q_blocks, kv_blocks = -(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)
-    table = block_table(torch.as_tensor(q_ids)[None], torch.as_tensor(kv_ids)[None], block_q=g.block_q,
-                        block_kv=g.block_kv)
+    table = block_table(torch.as_tensor(q_ids)[None], torch.as_tensor(kv_ids)[None], g)
     key = np.concatenate([np.zeros(KEY_LENGTH, np.int32), table.numpy()])
     return dataclasses.replace(g, segments=SegmentBlocks(key, 0, q_blocks, kv_blocks))
 
@@ -291,9 +290,75 @@ def test_fused_dq_partial_slots_are_the_bands_whatever_the_ids_skip(ordered):
             kept = np.broadcast_to(g.visible(q_block, kv_block, np), q_block.shape)
             assert (in_band | ~kept).all()
             slots = np.broadcast_to(band.dq_partial_slot(kv_block, q_block, np), q_block.shape)
-            written = g.dq_partial_written()
+            written = g.dq_partial_key_blocks() >= 0
             assert g.dq_partial_slots == band.dq_partial_slots
             for i in range(q_block.shape[0]):
                 mine = slots[i][in_band[i]]
                 assert len(set(mine.tolist())) == len(mine)
                 assert written[mine, i].all() and written[:, i].sum() == len(mine)
+
+
+def longest_run(seen: np.ndarray) -> int:
+    """The most blocks between a row's first and last tile with a visible pair, over the rows (at least 1)."""
+    runs = [np.flatnonzero(row)[-1] - np.flatnonzero(row)[0] + 1 for row in seen if row.any()]
+    return max(runs, default=1)
+
+
+def run_walks(g: BlockGeometry):
+    """(block fetched, whether computed) per step of each row of the forward's walk and of the dk/dv kernels'."""
+    q_blocks, kv_blocks = -(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)
+    q_block, step = np.indices((q_blocks, g.kv_steps()))
+    yield (np.broadcast_to(g.fetched_kv_block(q_block, step, np), step.shape),
+           np.broadcast_to(g.step_visible(q_block, step, np), step.shape))
+    kv_block, step = np.indices((kv_blocks, g.q_steps()))
+    yield (np.broadcast_to(g.fetched_q_block(kv_block, step, np), step.shape),
+           np.broadcast_to(g.kv_step_visible(kv_block, step, np), step.shape))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_walking_runs_a_packed_row_computes_exactly_its_tiles_with_a_pair_in_as_many_steps_as_its_longest_run(causal):
+    """The kernels' grids walk runs (``runs``): a row's steps compute each tile that holds a visible pair once, in
+    order, fetch nothing else and never go back; the axis has as many steps as the longest run, counted by brute
+    force, which the block table's two leading entries give the kernels (kernels/segment_blocks.py)."""
+    for g, seen in segment_combinations(causal, None, ordered=True, same_lengths=True):
+        g = dataclasses.replace(g, runs=True)
+        assert (g.kv_steps(), g.q_steps()) == (longest_run(seen), longest_run(seen.T))
+        assert tuple(g.segments.table[KEY_LENGTH:KEY_LENGTH + 2]) == (longest_run(seen), longest_run(seen.T))
+        for (fetched, computed), tiles in zip(run_walks(g), (seen, seen.T)):
+            for row in range(tiles.shape[0]):
+                assert fetched[row][computed[row]].tolist() == np.flatnonzero(tiles[row]).tolist()
+                assert (np.diff(fetched[row]) >= 0).all() and (fetched[row] < tiles.shape[1]).all()
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+@pytest.mark.parametrize("causal, window", SEGMENT_MASKS)
+def test_walking_runs_of_any_layout_computes_every_tile_with_a_pair_once(causal, window, ordered):
+    """Unsorted ids, other rows of keys, windows: the runs may hold tiles with no pair (computed, all masked), but
+    every tile with one is computed, once, in a walk that never goes back."""
+    for g, seen in segment_combinations(causal, window, ordered):
+        for (fetched, computed), tiles in zip(run_walks(dataclasses.replace(g, runs=True)), (seen, seen.T)):
+            for row in range(tiles.shape[0]):
+                visited = fetched[row][computed[row]].tolist()
+                assert len(set(visited)) == len(visited) and set(np.flatnonzero(tiles[row])) <= set(visited)
+                assert (np.diff(fetched[row]) >= 0).all() and (fetched[row] < tiles.shape[1]).all()
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_walking_runs_the_fused_backward_writes_each_dq_partial_to_its_own_band_slot(ordered):
+    """With runs, each step of a key block's run writes the partial of its query block to that key block's place
+    in the band's run of the query block: distinct slots per query block, within those the band marks, and the
+    spare slot (one more than the band's) only where a key block's run is empty."""
+    for causal, window in SEGMENT_MASKS:
+        for g, _ in segment_combinations(causal, window, ordered):
+            g = dataclasses.replace(g, runs=True)
+            q_blocks = np.arange(-(-g.q_len // g.block_q))
+            assert g.dq_partial_slots == np.max(g.band_only.kv_blocks_seen(q_blocks, np)) + 1  # and a spare
+            written = g.dq_partial_key_blocks() >= 0
+            kv_block, step = np.indices((-(-g.kv_len // g.block_kv), g.q_steps()))
+            in_run = step < np.broadcast_to(g.transposed().kv_blocks_seen(kv_block, np), step.shape)
+            q_block = np.broadcast_to(g.fetched_q_block(kv_block, step, np), step.shape)
+            slot = np.broadcast_to(g.dq_partial_slot(kv_block, step, np), step.shape)
+            pairs = list(zip(slot[in_run].tolist(), q_block[in_run].tolist()))
+            assert len(set(pairs)) == len(pairs), "two steps write one slot"
+            assert all(written[s, i] for s, i in pairs)
+            assert (slot[~in_run.any(axis=1)] == g.dq_partial_slots - 1).all()

@@ -50,7 +50,7 @@ OTHER_BACKWARD = [
 
 @pytest.mark.current
 @pytest.mark.parametrize("case", OTHER_BACKWARD, ids=str)
-def test_the_backward_not_taken_by_default_matches_reference(case, kernel_device, monkeypatch):
+def test_the_backward_not_taken_by_default_matches_reference(case, kernel_device, take_backward):
     """Every call takes one of the two backwards (fused, or dq and dk/dv); the matrix runs the default one,
     this the other."""
     default, taken = backward.fused, []
@@ -59,7 +59,7 @@ def test_the_backward_not_taken_by_default_matches_reference(case, kernel_device
         taken.append(not default(spec))
         return taken[-1]
 
-    monkeypatch.setattr(backward, "fused", other)
+    take_backward(other)
     check_backend(case, BACKEND, device=kernel_device)
     assert taken and len(set(taken)) == 1, f"backwards taken: {taken}"
 
@@ -140,7 +140,7 @@ DIAGONAL = [Case(batch=1, q_len=512, kv_len=768, head_dim=64, causal=True, bias=
 @pytest.mark.current
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "split"])
 @pytest.mark.parametrize("case", DIAGONAL, ids=str)
-def test_causal_diagonal_tiles_take_the_diagonal_path(case, fused, kernel_device, monkeypatch):
+def test_causal_diagonal_tiles_take_the_diagonal_path(case, fused, kernel_device, take_backward):
     blocks = torchattn.BlockSizes(block_q=256, block_kv=256, block_q_bwd=256, block_kv_bwd=256)
     attention = Attention(batch=case.batch, q_heads=case.q_heads, kv_heads=case.kv_heads, q_len=case.q_len,
                           kv_len=case.kv_len, head_dim=case.head_dim, causal=True, segments=case.segments is not None,
@@ -148,7 +148,7 @@ def test_causal_diagonal_tiles_take_the_diagonal_path(case, fused, kernel_device
     for spec in attention.specs(blocks, None):
         assert common.diagonal_pieces(spec) == 2
         assert common.paths(spec) == (common.MASK_FREE, common.DIAGONAL)
-    monkeypatch.setattr(backward, "fused", lambda spec: fused)
+    take_backward(fused)
     check_backend(case, BACKEND, device=kernel_device,
                   attention=lambda *args, **kwargs: torchattn.flash_attention(*args, backend=BACKEND,
                                                                               block_sizes=blocks, **kwargs))

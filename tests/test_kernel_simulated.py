@@ -65,7 +65,7 @@ CASES = [(case_of({name: value for name, value in pick.items() if name not in ("
 
 
 @pytest.mark.parametrize("case, taken, blocks", CASES, ids=[f"{c}-{b}-{s}" for c, b, s in CASES])
-def test_matches_reference_forward_and_backward_without_a_race(case, taken, blocks, monkeypatch):
+def test_matches_reference_forward_and_backward_without_a_race(case, taken, blocks, take_backward):
     """out, lse and every gradient (q, k, v, a bias's) within the float64 rules (tests/numerics.py)."""
     roles = []
 
@@ -73,7 +73,7 @@ def test_matches_reference_forward_and_backward_without_a_race(case, taken, bloc
         roles.append(taken)
         return taken == "fused"
 
-    monkeypatch.setattr(backward, "fused", chosen)
+    take_backward(chosen)
     sizes = SMALL if blocks == "small" else None
 
     def attention(*args, **kwargs):

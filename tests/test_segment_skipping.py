@@ -26,7 +26,7 @@ import torchattn
 from numerics import Case, check_backend
 
 pytest.importorskip("jax")
-from torchattn.kernels import backward, compat  # noqa: E402
+from torchattn.kernels import compat  # noqa: E402
 
 SMALL = torchattn.BlockSizes(block_q=32, block_kv=128, block_q_bwd=32, block_kv_bwd=128)
 TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -41,14 +41,10 @@ def _kernels(backend: str, kernel_device) -> torch.device:
     return kernel_device
 
 
-def _with_backward(monkeypatch, taken: str):
-    monkeypatch.setattr(backward, "fused", lambda spec: taken == "fused")
-
-
 @pytest.mark.parametrize("backend, taken", [("interpret", "fused"), ("interpret", "split"), ("simulated", "fused")])
-def test_tiles_of_documents_that_cannot_meet_are_not_computed(backend, taken, kernel_device, monkeypatch):
+def test_tiles_of_documents_that_cannot_meet_are_not_computed(backend, taken, kernel_device, take_backward):
     device = _kernels(backend, kernel_device)
-    _with_backward(monkeypatch, taken)
+    take_backward(taken == "fused")
     g = torch.Generator().manual_seed(5)
     q, k, v, do = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(4))
     ids = torch.repeat_interleave(torch.arange(4), torch.tensor([90, 50, 100, 60]))[None].int()
@@ -77,9 +73,9 @@ CASES = [(features, taken, "interpret") for features in FEATURES for taken in ("
 
 @pytest.mark.parametrize("features, taken, backend", CASES,
                          ids=[f"{b}-{','.join(f) or 'plain'}-{t}" for f, t, b in CASES])
-def test_packed_rows_match_float64(features, taken, backend, kernel_device, monkeypatch):
+def test_packed_rows_match_float64(features, taken, backend, kernel_device, take_backward):
     device = _kernels(backend, kernel_device)
-    _with_backward(monkeypatch, taken)
+    take_backward(taken == "fused")
     case = Case(**{"q_len": 300, "kv_len": 300, "head_dim": 64, "segments": "documents", **features})
 
     def attention(*args, **kwargs):

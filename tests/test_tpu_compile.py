@@ -40,7 +40,8 @@ from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
 from lowering_matrix import LOWERING_MATRIX, spec as lowering_spec  # noqa: E402
-from torchattn.aot import Attention, argument_structs, compile_attention, compile_jax, device  # noqa: E402
+from torchattn.aot import (Attention, argument_structs, compile_attention, compile_jax, compile_stablehlo,  # noqa: E402
+                           device)
 from torchattn.aot.compiler import slice_devices  # noqa: E402
 from torchattn.aot.attention import kernel_functions  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
@@ -203,6 +204,32 @@ def test_pallas_backend_payload_carries_the_pinned_version():
     with context:
         module = ir.Module.parse(body)
         assert module.operation.attributes["stable_mosaic.version"].value == internals.MOSAIC_IR_VERSION
+
+
+@pytest.mark.xla  # torch_xla's tpu_custom_call takes a dynamic extent as its own operand (torchattn/internals.py)
+@pytest.mark.parametrize("taken", ["fused", "split"])
+def test_packed_rows_launch_grids_sized_by_their_ids_and_the_graph_compiles(fake_tpu, take_backward, taken):
+    """With segment ids the kernels' inner grid axis walks the runs the ids leave, an extent that is data
+    (kernels/block_geometry.py): in the pallas backend's graph each kernel's custom call takes it first, an int32
+    scalar, before the key; libtpu compiles the graph for v5e."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    import torchattn
+
+    take_backward(taken == "fused")
+    device = torch_xla.device()
+    q, k, v = (torch.randn(2, 4, 1024, 128, dtype=torch.bfloat16).to(device).requires_grad_() for _ in range(3))
+    ids = torch.repeat_interleave(torch.arange(5), torch.tensor([300, 200, 200, 200, 124]))[None].expand(2, 1024)
+    out = torchattn.flash_attention(q, k, v, causal=True, segment_ids=ids.to(device), backend="pallas",
+                                    block_sizes=BlockSizes(256, 256, 256, 256))
+    out.backward(torch.ones_like(out))
+    text = xm.get_stablehlo([out, q.grad, k.grad, v.grad])
+    operands = [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
+                for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
+    assert len(operands) == (2 if taken == "fused" else 3)
+    assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
+    compile_stablehlo(text, "v5e", f"packed_{taken}")
 
 
 # ---------------------------------------------------------------------------

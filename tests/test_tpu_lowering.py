@@ -25,7 +25,7 @@ torch_xla = pytest.importorskip("torch_xla")
 from jax import export  # noqa: E402
 
 from torchattn.aot import argument_structs  # noqa: E402
-from torchattn.kernels import COMPILED, backward  # noqa: E402
+from torchattn.kernels import COMPILED  # noqa: E402
 from torchattn.kernels.backward import dkv_call, dq_call, fused_call  # noqa: E402
 from torchattn.kernels.forward import forward_call  # noqa: E402
 
@@ -61,13 +61,13 @@ def test_invalid_block_size_is_rejected_by_tpu_lowering(blocks):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
-def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls(fused, monkeypatch):
+def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls(fused, take_backward):
     """The compiled path's torch_xla graph holds the Mosaic calls with the right shapes: forward, then dq and
     dk/dv, or the fused backward.
 
     Built only, never executed: XLA:CPU cannot run a tpu_custom_call.
     """
-    monkeypatch.setattr(backward, "fused", lambda spec: fused)
+    take_backward(fused)
     device = torch_xla.device()
     q = torch.randn(2, 4, 200, 64, device=device)
     k, v = (torch.randn(2, 2, 300, 64, device=device) for _ in range(2))

@@ -192,7 +192,7 @@ def test_unknown_kernel_and_dtype_are_refused():
 
 
 @pytest.mark.parametrize("bias_grad", [True, False])
-def test_the_backward_kernels_know_whether_the_bias_gets_a_gradient(device, monkeypatch, bias_grad):
+def test_the_backward_kernels_know_whether_the_bias_gets_a_gradient(device, take_backward, bias_grad):
     """Inside the custom ops torch_xla's tensors never require grad, so the backward's KernelSpec takes the
     bias's gradient from the op's ``wanted``: it sets the dq kernel's ds output and the VMEM by which the fused
     backward is chosen (kernels/backward.fused)."""
@@ -200,7 +200,7 @@ def test_the_backward_kernels_know_whether_the_bias_gets_a_gradient(device, monk
 
     seen = []
     original = backward.fused
-    monkeypatch.setattr(backward, "fused", lambda spec: seen.append(spec.score_grad) or original(spec))
+    take_backward(lambda spec: seen.append(spec.score_grad) or original(spec))
     q, k, v = (torch.randn(1, 2, 128, 64).to(device).requires_grad_() for _ in range(3))
     bias = torch.randn(1, 1, 128, 128).to(device).requires_grad_(bias_grad)
     out = torchattn.flash_attention(q, k, v, bias=bias, backend="interpret")

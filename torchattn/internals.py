@@ -24,13 +24,15 @@ _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.int32
 # flash attention takes; no public API adds a Mosaic kernel to a torch_xla graph).
 
 
-def tpu_custom_call(fn, args, out_shapes) -> tuple[torch.Tensor, ...]:
-    """Adds jax function ``fn`` (one pallas_call) to the graph as a ``tpu_custom_call``."""
+def tpu_custom_call(fn, args, out_shapes, leading=()) -> tuple[torch.Tensor, ...]:
+    """Adds jax function ``fn`` (one pallas_call) of ``args`` to the graph as a ``tpu_custom_call``. ``leading``:
+    operands the Mosaic kernel takes before ``args``, which ``fn`` computes from them (a dynamic grid's extents,
+    int32 scalars): the payload is the kernel's body alone."""
     import torch_xla
 
     payload = mosaic_payload(fn, tuple((tuple(a.shape), a.dtype) for a in args))
     outs = torch_xla._XLAC._xla_tpu_custom_call(
-        list(args), payload, [list(s) for s, _ in out_shapes], [d for _, d in out_shapes])
+        [*leading, *args], payload, [list(s) for s, _ in out_shapes], [d for _, d in out_shapes])
     return tuple(outs)
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import sys
 
 from .. import api
@@ -198,8 +197,8 @@ def format_table(header: list[str], body: list[list[str]]) -> str:
 
 
 def visited_line(attention: Attention, generation: str, blocks: BlockSizes, kernels: list, lengths: list[int]) -> str:
-    """The share of each kernel's grid steps that compute a tile, for one packed layout, beside the share of
-    tiles holding a pair the mask lets through (documents.mask_block_density, at the kernel's blocks)."""
+    """The share of the tiles each kernel computes, for one packed layout, beside the share of tiles holding a pair
+    the mask lets through (documents.mask_block_density, at the kernel's blocks)."""
     shares = []
     for kernel in kernels:
         if not kernel.grid:  # an XLA op
@@ -207,7 +206,8 @@ def visited_line(attention: Attention, generation: str, blocks: BlockSizes, kern
         block_q, block_kv = ((blocks.block_q, blocks.block_kv) if kernel.name == "forward"
                              else (blocks.block_q_bwd, blocks.block_kv_bwd))
         density = documents.mask_block_density(attention, lengths, block_q, block_kv)
-        shares.append(f"{kernel.name} {kernel.visible_steps / math.prod(kernel.grid):.1%} (mask {density:.1%})")
+        shares.append(f"{kernel.name} {kernel.visible_steps / documents.tiles(attention, block_q, block_kv):.1%} "
+                      f"(mask {density:.1%})")
     return (f"{generation}: tiles visited, {len(lengths)} documents of {min(lengths)}-{max(lengths)} tokens: "
             + ", ".join(shares))
 

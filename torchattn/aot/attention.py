@@ -152,7 +152,7 @@ def dq_reduction(spec):
     import jax.numpy as jnp
     import numpy as np
 
-    rows = np.repeat(spec.blocks.dq_partial_written(), spec.block_q, axis=1)  # (slots, q_pad)
+    rows = np.repeat(spec.blocks.dq_partial_key_blocks() >= 0, spec.block_q, axis=1)  # (slots, q_pad): the band's
 
     def reduce(partials):
         return jnp.where(rows[:, :, None], partials, 0.0).sum(axis=2).astype(spec.dtype)

@@ -46,3 +46,9 @@ def mask_block_density(attention, lengths: list[int], block_q: int, block_kv: in
     if left is not None:  # key >= row - left for the first row
         seen &= keys_last[:, None, :] >= rows_first[:, :, None] - left
     return float(seen.any(axis=0).mean())
+
+
+def tiles(attention, block_q: int, block_kv: int) -> int:
+    """(query block, key block) tiles of one call, over every batch row and query head: what a kernel's visited
+    tiles are a share of (its grid, which walks runs of blocks, may have fewer steps)."""
+    return attention.batch * attention.q_heads * -(-attention.q_len // block_q) * -(-attention.kv_len // block_kv)

@@ -187,9 +187,10 @@ def _declared_regions(kernel: Kernel, schedule: schedule_dump.Schedule, with_onc
     one's: a guard around the paths with every-step work beside it (Tokamax's fused backward at some blocks, its
     forward with a sequence-minor k), which stays every-step work."""
     regions = schedule.path_regions(with_once)
-    declared = len(kernel.path_steps) + len(kernel.row_regions)
+    # A kernel declaring its row regions has at least one path (its every-step work, under a predicate or not).
+    declared = max(len(kernel.path_steps), bool(kernel.row_regions)) + len(kernel.row_regions)
     parents = [region for region in regions if len(schedule.children(region, with_once)) == declared]
-    if kernel.path_steps and len(regions) < declared and len(parents) == 1:
+    if (kernel.path_steps or kernel.row_regions) and len(regions) < declared and len(parents) == 1:
         return schedule.children(parents[0], with_once)
     return regions
 
@@ -246,20 +247,24 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
         blocks = spec.blocks if ids is None else spec.geometry(layout_key(spec, ids, ids), 0)
         q_blocks, kv_blocks = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
         visible = attention.batch * attention.q_heads * int(blocks.visible(q_blocks, kv_blocks, np).sum())
-        kv_grid = (spec.batch, spec.kv_heads, spec.num_kv_blocks, spec.groups * spec.num_q_blocks)
+        # The grid the launch gets: its inner axis walks the runs of the layout's ids (KernelSpec.runs)
+        q_grid = (spec.batch, spec.q_heads, spec.num_q_blocks, blocks.kv_steps())
+        kv_grid = (spec.batch, spec.kv_heads, spec.num_kv_blocks, spec.groups * blocks.q_steps())
         grid, estimate, matmuls = {
-            "forward": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
-                        cost.forward_cost(spec, blocks), 2),
-            "backward_dq": ((spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
-                            cost.dq_cost(spec, spec.score_grad, blocks), 3),
+            "forward": (q_grid, cost.forward_cost(spec, blocks), 2),
+            "backward_dq": (q_grid, cost.dq_cost(spec, spec.score_grad, blocks), 3),
             "backward_dkv": (kv_grid, cost.dkv_cost(spec, blocks), 4),
             "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad, blocks), 5)}[name]
         pairs = attention.batch * attention.q_heads * band_pairs(attention, documents)
         path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks,
-                                 zeroed_dq=name == "backward_fused" and spec.segment_ids)
+                                 zeroed_dq=name == "backward_fused" and spec.segment_ids, grid=grid)
+        # A grid sized by data ends its rows at a step the schedule cannot read as a grid index's constant: its
+        # init and finalize regions (the first and the last) are named once per row.
+        rows_end = (0, (len(path_steps) or 1) + 1) if spec.dynamic_steps else ()
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
                               useful_flops=2.0 * matmuls * pairs * attention.head_dim, path_steps=path_steps,
+                              row_regions=rows_end,
                               idle_steps=0 if ids is None else max(math.prod(grid) - sum(path_steps), 0)))
     return kernels
 
@@ -267,15 +272,15 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
 WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
-def _path_steps(spec, zeroed_skips: bool, layout=None, zeroed_dq: bool = False) -> tuple[int, ...]:
-    """Grid steps, in program order: when ``zeroed_dq`` (the fused backward of a call with segment ids) on the tiles
-    the ids skip inside the band, whose dq partial is zeroed (kernels/backward.py), then on each of a torchattn
-    kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles, masked ones, the causal diagonal's),
-    then, when ``zeroed_skips`` (a kernel writing ds), on the skipped tiles whose ds is zeroed; () for a kernel
-    with one path and nothing else predicated per step (its skipped steps then cost nothing: the schedule cannot
-    tell a step's work outside its one path from the rest). ``layout``: a geometry over segment ids' block
-    table, whose skipped tiles take no path (idle steps, the caller's); without one every tile the band leaves
-    counts as visible."""
+def _path_steps(spec, zeroed_skips: bool, layout=None, zeroed_dq: bool = False, grid=()) -> tuple[int, ...]:
+    """Grid steps, in program order: when ``zeroed_dq`` (the fused backward of a call with segment ids) on the
+    steps whose dq partial is zeroed (kernels/backward.py: a tile the ids skip in a step that writes its slot),
+    then on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles, masked ones,
+    the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds, whose steps walk every tile), on the
+    skipped tiles whose ds is zeroed; () for a kernel with one path and nothing else predicated per step (its
+    skipped steps then cost nothing: the schedule cannot tell a step's work outside its one path from the rest).
+    ``layout``: a geometry over segment ids' block table, whose skipped tiles take no path (the rest of the
+    ``grid``'s steps are idle, the caller's); without one every tile the band leaves counts as visible."""
     import numpy as np
 
     from ..kernels import common
@@ -286,9 +291,21 @@ def _path_steps(spec, zeroed_skips: bool, layout=None, zeroed_dq: bool = False) 
     visible = np.logical_or.reduce(list(kinds.values()))
     counts = [int(tiles.sum()) for tiles in kinds.values()] + ([int((~visible).sum())] if zeroed_skips else [])
     if zeroed_dq:
-        band = np.logical_or.reduce(list(common.tile_kinds(spec).values()))
-        counts.insert(0, int((band & ~visible).sum()))
+        counts.insert(0, _zeroed_dq_steps(spec, layout or spec.blocks, grid[-1] // spec.groups))
     return tuple(spec.batch * spec.q_heads * n for n in counts)
+
+
+def _zeroed_dq_steps(spec, blocks, q_steps: int) -> int:
+    """Steps of one (batch, head) slice of the fused backward whose dq partial slot is zeroed: without runs the
+    tiles the band leaves and the ids skip; with them the steps of a key block's run whose tile holds no pair."""
+    import numpy as np
+
+    kv_block, step = np.indices((spec.num_kv_blocks, q_steps))
+    if spec.runs:
+        in_run = step < blocks.transposed().kv_blocks_seen(kv_block, np)
+    else:
+        in_run = np.broadcast_to(blocks.band_only.visible(step, kv_block, np), step.shape)
+    return int((in_run & ~np.broadcast_to(blocks.kv_step_visible(kv_block, step, np), step.shape)).sum())
 
 
 def band_pairs(attention, documents=None) -> int:

@@ -131,8 +131,7 @@ def kernel_key(spec, tensors: Tensors) -> torch.Tensor:
     key = torch.where(key >= 2**31, key - 2**32, key).to(torch.int32)
     if tensors.segment_ids is None:
         return key
-    table = segment_blocks.block_table(tensors.segment_ids, tensors.kv_segment_ids, block_q=spec.block_q,
-                                       block_kv=spec.block_kv)
+    table = segment_blocks.block_table(tensors.segment_ids, tensors.kv_segment_ids, spec.blocks.band_only)
     return torch.cat([key, table])
 
 
@@ -179,7 +178,7 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
                     torch.float32)
         dk, dv, partials, *ds = runtimes.call("backward_fused", spec, kernel_args,
                                               [kv_shape, kv_shape, partials, *ds_shape])
-        dq = sum_dq_partials(spec, partials).to(q.dtype)
+        dq = sum_dq_partials(spec, partials, kernel_args[0]).to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
         dq, *ds = runtimes.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
@@ -194,9 +193,17 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     return grads
 
 
-def sum_dq_partials(spec, partials: torch.Tensor) -> torch.Tensor:
+def sum_dq_partials(spec, partials: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials (kernels/backward.py,
-    fused_call): the sum over each query block's slots that hold one; the others were never written."""
-    written = torch.from_numpy(spec.blocks.dq_partial_written()).to(partials.device)
-    rows = written.repeat_interleave(spec.block_q, dim=1)  # (slots, q_pad)
-    return torch.where(rows[:, :, None], partials, 0.0).sum(dim=2)
+    fused_call): the sum over each query block's slots that hold one; the others were never written. Slot s of
+    query block i holds the partial of key block j, the s-th of its run by the band (BlockGeometry.dq_partial_slot),
+    when the band lets i see j; with the kernels' runs and segment ids also only when i lies in the run of query
+    blocks j's ids leave (the block table in ``key``, the kernels' prefetched key): data."""
+    key_blocks = torch.from_numpy(spec.blocks.dq_partial_key_blocks()).to(partials.device)  # (slots, q blocks)
+    written = (key_blocks >= 0)[None]  # (1, slots, q blocks)
+    if spec.dynamic_steps:
+        kv_blocks, q_blocks = key_blocks.clamp(min=0), torch.arange(spec.num_q_blocks, device=partials.device)
+        ids_first, ids_last = segment_blocks.q_runs(key, spec)  # (batch, kv blocks) each
+        written = written & (ids_first[:, kv_blocks] <= q_blocks) & (q_blocks <= ids_last[:, kv_blocks])
+    rows = written.repeat_interleave(spec.block_q, dim=2)  # (1 or batch, slots, q_pad)
+    return torch.where(rows[:, None, :, :, None], partials, 0.0).sum(dim=2)

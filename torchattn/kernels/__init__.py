@@ -8,6 +8,7 @@ from __future__ import annotations
 
 # The kernels by role: what the runtimes (torchattn/runtimes/) name each launch.
 ROLES = ("forward", "backward_fused", "backward_dq", "backward_dkv")
+KV_GRID_ROLES = ("backward_dkv", "backward_fused")  # grid (batch, kv heads, kv blocks, q steps)
 
 # How a kernel runs (KernelSpec.mode): compiled by Mosaic for a TPU; in Pallas' classic interpret mode, the kernel
 # as plain array code, which lowers to HLO and so runs inside torch_xla's graph too; or simulated, in JAX's TPU
@@ -15,6 +16,15 @@ ROLES = ("forward", "backward_fused", "backward_dq", "backward_dkv")
 # memory with NaN (host callbacks: CPU tensors through JAX only). kernels/compat.py maps each to pallas_call's.
 COMPILED, INTERPRET, SIMULATED = "compiled", "interpret", "simulated"
 MODES = (COMPILED, INTERPRET, SIMULATED)
+
+
+def grid_operands(role: str, spec, key) -> list:
+    """What the Mosaic call of kernel ``role`` at ``spec`` takes before the key: its inner grid axis's extent where
+    that is data (KernelSpec.dynamic_steps), from ``key`` (a torch tensor: torch_xla's custom call, which takes
+    the kernel's Mosaic body alone), as the kernel's jax function computes it; else nothing."""
+    from .common import grid_extent
+
+    return [grid_extent(spec, key, transposed=role in KV_GRID_ROLES)] if spec.dynamic_steps else []
 
 
 def kernel_function(role: str, spec):

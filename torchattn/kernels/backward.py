@@ -4,12 +4,14 @@ Both recompute probabilities from the saved lse, p = exp(s - lse), so nothing
 of size q_len x kv_len is stored between forward and backward. ``delta`` is
 rowsum(do * out) - dlse, computed outside the kernels.
 
-- dq kernel, grid (batch, q_heads, q_blocks, kv_blocks), kv innermost: dq
+- dq kernel, grid (batch, q_heads, q_blocks, kv steps), kv innermost: dq
   accumulates in VMEM; with a bias that needs a gradient it also writes the
   score gradient ds, which is dense by nature (the bias is).
-- dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks): the
-  innermost axis walks every query head of the group and every query block, so
+- dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q steps): the
+  innermost axis walks every query head of the group and each key block's query blocks, so
   GQA gradients are summed in VMEM without repeating K/V.
+
+The steps walk each row's run of blocks (kernels/block_geometry.py, ``runs``), or every block where ds is written.
 - fused kernel, the dk/dv kernel's grid: p, dp and ds of each tile once for all three gradients (5
   matmuls where the two kernels above do 7); dk, dv as the dk/dv kernel; each visible tile's
   dlogits @ k as a float32 dq partial (:meth:`BlockGeometry.dq_partial_slot`), summed over key
@@ -32,7 +34,8 @@ from jax.experimental.pallas import tpu as pltpu
 from ..tpu import generations
 from . import arguments, common, vmem
 from .common import (LOG2E, NN, NT, TN, TT, WHOLE, KernelSpec, block_scores, block_spec, block_specs, dot,
-                     dropout_scale, lanes, pallas_function, q_grid_coords, score_factor, tile_paths)
+                     dropout_scale, grid_extent, inner_steps, lanes, pallas_function, q_grid_coords, score_factor,
+                     tile_paths)
 from .cost import dkv_cost, dq_cost, fused_cost
 
 
@@ -106,10 +109,12 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     inputs, (dq_ref, *refs) = arguments.unpack(spec, refs, backward=True)
     ds_ref = refs.pop(0) if with_ds else None
     (dq_acc,) = refs
-    batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
-    visible = spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp)
+    batch, head, q_block, step = (pl.program_id(i) for i in range(4))
+    geometry = spec.geometry(key_ref, batch)
+    kv_block = geometry.fetched_kv_block(q_block, step, jnp)  # the tile's, where it is visible
+    visible = geometry.step_visible(q_block, step, jnp)
 
-    @pl.when(kv_block == 0)
+    @pl.when(step == 0)
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
@@ -129,7 +134,7 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
 
-    @pl.when(kv_block == spec.num_kv_blocks - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _finish():
         dq_ref[...] = _untransposed(spec, dq_acc[...]).astype(dq_ref.dtype)
 
@@ -140,18 +145,25 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
     dq_ref = refs.pop(0) if fused else None
     ds_ref = refs.pop(0) if with_ds else None
     dk_acc, dv_acc = refs
-    batch, kv_head, kv_block, step = (pl.program_id(i) for i in range(4))
-    head = kv_head * spec.groups + step // spec.num_q_blocks
-    q_block = step % spec.num_q_blocks
+    batch, kv_head, kv_block, t = (pl.program_id(i) for i in range(4))  # t walks (head in the group, q step)
+    q_steps = pl.num_programs(3) // spec.groups
+    head, step = kv_head * spec.groups + t // q_steps, t % q_steps
+    geometry = spec.geometry(key_ref, batch)
+    q_block = geometry.fetched_q_block(kv_block, step, jnp)  # the tile's, where it is visible
 
-    @pl.when(step == 0)
+    @pl.when(t == 0)
     def _init():
         dk_acc[...] = jnp.zeros(dk_acc.shape, jnp.float32)
         dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
-    visible = spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp)
-    if fused and spec.segment_ids:  # the band's slot of a tile the ids skip: zeros, as the dq sum reads it
-        @pl.when(spec.blocks.visible(q_block, kv_block, jnp) & jnp.logical_not(visible))
+    visible = geometry.kv_step_visible(kv_block, step, jnp)
+    if fused and spec.segment_ids:  # a slot the dq sum reads, of a tile the ids skip: zeros
+        # Without runs every step the band leaves has its slot; with them a step of a key block's run (ids that
+        # are not sorted may leave a tile there that holds no pair).
+        band = spec.blocks.visible(q_block, kv_block, jnp) if not spec.runs else \
+            step < geometry.transposed().kv_blocks_seen(kv_block, jnp)
+
+        @pl.when(band & jnp.logical_not(visible))
         def _zero_dq():
             dq_ref[...] = jnp.zeros(dq_ref.shape, jnp.float32)
 
@@ -176,7 +188,7 @@ def dkv_kernel(key_ref, *refs, spec: KernelSpec, fused: bool = False, with_ds: b
     if with_ds:
         _zero_skipped_ds(ds_ref, visible)
 
-    @pl.when(step == spec.groups * spec.num_q_blocks - 1)
+    @pl.when(t == pl.num_programs(3) - 1)
     def _finish():
         dk_ref[...] = _untransposed(spec, dk_acc[...]).astype(dk_ref.dtype)
         dv_ref[...] = _untransposed(spec, dv_acc[...]).astype(dv_ref.dtype)
@@ -226,7 +238,7 @@ def dq_call(spec: KernelSpec, with_ds: bool):
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
     return pallas_function(
         functools.partial(dq_kernel, spec=spec, with_ds=with_ds),
-        spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+        spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, functools.partial(grid_extent, spec)),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM(_accumulator(spec, bq), jnp.float32)], name="torchattn_backward_dq",
         cost_estimate=dq_cost(spec, with_ds))
@@ -247,18 +259,19 @@ def fused_call(spec: KernelSpec, with_ds: bool):
     (dk, dv, dq partials, [ds]).
 
     dq partials: float32 (batch, q_heads, ``spec.blocks.dq_partial_slots``, q_pad, head_dim), slot s of
-    query block i the partial of the s-th key block the band lets it see (zeros where the segment ids skip the
-    tile), for s < ``spec.blocks.kv_blocks_seen(i)`` (others unwritten: ``BlockGeometry.dq_partial_written``);
-    ds as :func:`dq_call` writes it. Memoised per spec.
+    query block i the partial of the s-th key block the band lets it see, where written
+    (``BlockGeometry.dq_partial_key_blocks``; with segment ids and runs, data); ds as :func:`dq_call` writes it.
+    Memoised per spec.
     """
     return _kv_grid_call(spec, fused=True, with_ds=with_ds)
 
 
 def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
-    bq, bkv, d, g, nq = spec.block_q, spec.block_kv, spec.head_dim, spec.groups, spec.num_q_blocks
+    bq, bkv, d, g = spec.block_q, spec.block_kv, spec.head_dim, spec.groups
 
-    def coords(b, hk, j, t, key_ref):  # t walks (query head in the group, query block)
+    def coords(b, hk, j, t, key_ref):  # t walks (query head in the group, q step)
         # skipped steps re-use a fetched block
+        nq = inner_steps(spec, key_ref, transposed=True)
         return b, hk * g + t // nq, hk, spec.geometry(key_ref, b).fetched_q_block(j, t % nq, jnp), j
 
     in_specs = block_specs(spec, coords, backward=True)
@@ -267,19 +280,25 @@ def _kv_grid_call(spec: KernelSpec, fused: bool, with_ds: bool):
     out_shape = [kv_shape, kv_shape]
     if fused:
         slots = spec.blocks.dq_partial_slots
-        # The band's slots, which segment ids do not move: a step writes its tile's, or the visible step's it
-        # fetches by the band (not by the ids: a tile they skip writes zeros to its own).
-        band = spec.blocks
-        out_specs.append(pl.BlockSpec((None, None, None, bq, d), lambda b, hk, j, t, key_ref: (
-            b, hk * g + t // nq, band.dq_partial_slot(j, t % nq, jnp), band.fetched_q_block(j, t % nq, jnp), 0)))
+
+        def partial_block(b, hk, j, t, key_ref):  # the band's slots, which segment ids do not move
+            nq = inner_steps(spec, key_ref, transposed=True)
+            geometry = spec.geometry(key_ref, b)
+            fetched = (geometry if spec.runs else geometry.band_only).fetched_q_block(j, t % nq, jnp)
+            return b, hk * g + t // nq, geometry.dq_partial_slot(j, t % nq, jnp), fetched, 0
+
+        out_specs.append(pl.BlockSpec((None, None, None, bq, d), partial_block))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, slots, spec.q_pad, d), jnp.float32))
-    if with_ds:
+    if with_ds:  # every block: the steps walk every query block (KernelSpec.runs)
+        nq = spec.num_q_blocks
         out_specs.append(pl.BlockSpec((None, None, bq, bkv), lambda b, hk, j, t, key_ref: (
             b, hk * g + t // nq, t % nq, j)))
         out_shape.append(jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), jnp.float32))
+
     return pallas_function(
         functools.partial(dkv_kernel, spec=spec, fused=fused, with_ds=with_ds),
-        spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks, g * nq),
+        spec, grid=(spec.batch, spec.kv_heads, spec.num_kv_blocks,
+                    functools.partial(grid_extent, spec, transposed=True)),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM(_accumulator(spec, bkv), jnp.float32)] * 2,
         name="torchattn_backward_fused" if fused else "torchattn_backward_dkv",

@@ -12,6 +12,12 @@ Block indices run over ``ceil(length / block)`` blocks per axis, so every block
 holds at least one real query or key. ``left`` and ``right`` are >= 0 or None,
 as :func:`torchattn.semantics.masks.diagonal_bounds` gives them.
 
+A kernel's inner grid axis walks its row's key blocks (query blocks, transposed) in one of two ways. Every
+block (``runs`` False): step s is block s, and the steps outside the row's run of visible blocks are idle
+grid steps that compute and fetch nothing but still cost a step each. The row's run (``runs`` True): step s
+is the run's s-th block, so the axis needs only as many steps as the longest run, :meth:`kv_steps`; static for
+the band, data (read from the block table) with segment ids, where a packed row's runs are a few blocks.
+
 Under a sequence sharding (torchattn.spmd.per_device) the query rows are one device's: ``q_len``
 of them, padded as ever, but masked at their global positions. Each half of them
 (``half`` rows) starts at its own global row, ``offsets`` (traced in the kernels: the
@@ -49,6 +55,7 @@ class BlockGeometry:
     half: int | None = None
     offsets: tuple | None = None  # (global row of local row 0, of local row ``half``); None: rows are global
     segments: SegmentBlocks | None = None  # the call has segment ids; their block table, where known
+    runs: bool = False  # the inner grid axis walks each row's run of blocks, not every block (module docstring)
 
     @property
     def band_only(self) -> "BlockGeometry":
@@ -62,7 +69,7 @@ class BlockGeometry:
             raise NotImplementedError("a sequence shard's queries are two runs of rows: keys as rows see no band")
         return BlockGeometry(q_len=self.kv_len, kv_len=self.q_len, block_q=self.block_kv, block_kv=self.block_q,
                              left=self.right, right=self.left,
-                             segments=self.segments and self.segments.transposed())
+                             segments=self.segments and self.segments.transposed(), runs=self.runs)
 
     def row_shift(self, q_block):
         """Global row minus local row for the rows of query block ``q_block`` (0 without offsets); operators
@@ -115,58 +122,99 @@ class BlockGeometry:
         return ((self.block_q == self.block_kv) & (q_start + (self.kv_len - self.q_len) == kv_start)
                 & (kv_start + self.block_kv <= self.kv_len))
 
-    def fetched_kv_block(self, q_block, kv_block, xp):
-        """The key block the index maps of query block ``q_block`` fetch at kv step ``kv_block``.
+    def fetched_kv_block(self, q_block, step, xp):
+        """The key block the index maps of query block ``q_block`` fetch at kv step ``step``: block ``step``, or
+        with ``runs`` the run's ``step``-th, held within the visible run of key blocks.
 
-        Steps inside the visible run of key blocks fetch their own block; steps
-        before it fetch its first block and steps after it its last, so a
-        skipped step repeats the previous index and issues no DMA. A query block
-        that sees nothing fetches one block throughout.
+        Steps inside the run fetch their own block; steps before it fetch its first block and steps after it
+        its last, so a skipped step repeats the previous index and issues no DMA. A query block that sees
+        nothing fetches one block throughout. On a visible step this is the tile's own key block.
         """
-        first_block, last_block = self._kv_block_run(q_block, xp)
+        first_block, last_block = self.kv_block_run(q_block, xp)
+        kv_block = first_block + step if self.runs else step
         return xp.minimum(xp.maximum(kv_block, first_block), xp.maximum(first_block, last_block))
 
-    def fetched_q_block(self, kv_block, q_block, xp):
-        """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``q_block``.
+    def fetched_q_block(self, kv_block, step, xp):
+        """The query block the dk/dv kernel's index maps of key block ``kv_block`` fetch at q step ``step``.
         A sequence shard's queries a key block sees form two runs, not one: each step fetches its own."""
         if self.offsets is not None:
-            return q_block
-        return self.transposed().fetched_kv_block(kv_block, q_block, xp)
+            return step
+        return self.transposed().fetched_kv_block(kv_block, step, xp)
+
+    def step_visible(self, q_block, step, xp):
+        """Whether the tile of query block ``q_block``'s kv step ``step`` holds a visible pair; False steps are
+        skipped (:meth:`fetched_kv_block` is the tile's key block)."""
+        if not self.runs:
+            return self.visible(q_block, step, xp)
+        in_run = step < self.kv_blocks_seen(q_block, xp)
+        return in_run & self.visible(q_block, self.fetched_kv_block(q_block, step, xp), xp)
+
+    def kv_step_visible(self, kv_block, step, xp):
+        """:meth:`step_visible` of the dk/dv kernel's walk: key block ``kv_block``'s q step ``step``."""
+        if self.offsets is not None:
+            return self.visible(step, kv_block, xp)
+        return self.transposed().step_visible(kv_block, step, xp)
+
+    def kv_steps(self) -> int:
+        """Steps of the forward and dq kernels' kv axis, on the host: every key block, or with ``runs`` the
+        longest run of a query block (at least one step), with a layout's table (kernels/segment_blocks.layout_key)
+        that layout's."""
+        if not self.runs:
+            return -(-self.kv_len // self.block_kv)
+        q_blocks = np.arange(-(-self.q_len // self.block_q))
+        return max(int(np.max(self.kv_blocks_seen(q_blocks, np))), 1)
+
+    def q_steps(self) -> int:
+        """:meth:`kv_steps` of the dk/dv kernels' q axis (per query head)."""
+        return -(-self.q_len // self.block_q) if self.offsets is not None else self.transposed().kv_steps()
 
     def kv_blocks_seen(self, q_block, xp):
         """How many key blocks query block ``q_block`` sees: a run from its first (:meth:`fetched_kv_block`)."""
-        first_block, last_block = self._kv_block_run(q_block, xp)
+        first_block, last_block = self.kv_block_run(q_block, xp)
         return xp.maximum(last_block - first_block + 1, 0)
 
     @property
     def dq_partial_slots(self) -> int:
         """Slots per query block of the fused backward's dq partials, the band's (segment ids, which are data, do
         not move them): one per key block of the longest run a query block sees, and a spare one written by the
-        steps of key blocks no query block sees."""
+        steps of key blocks no query block sees (by the band; with ``runs`` and segment ids, by data: always)."""
         band = self.band_only
         q_blocks = np.arange(-(-self.q_len // self.block_q))
         kv_blocks = np.arange(-(-self.kv_len // self.block_kv))
         seen = band.visible(q_blocks[:, None], kv_blocks[None, :], np)
-        return int(band.kv_blocks_seen(q_blocks, np).max()) + int(not seen.any(axis=0).all())
+        spare = not seen.any(axis=0).all() or (self.runs and self.segments is not None)
+        return int(band.kv_blocks_seen(q_blocks, np).max()) + int(spare)
 
-    def dq_partial_written(self) -> np.ndarray:
-        """bool (dq_partial_slots, q blocks): which slots of each query block hold a dq partial (a tile the
-        segment ids skip writes zeros to its slot)."""
-        band = self.band_only
+    def dq_partial_key_blocks(self) -> np.ndarray:
+        """int (dq_partial_slots, q blocks): the key block whose dq partial each slot of each query block may hold,
+        the s-th of its run by the band, or -1 where the band leaves the slot unwritten. Without ``runs`` each
+        other slot is written (a tile the segment ids skip writes zeros to its slot); with ``runs`` and segment
+        ids only those whose query block lies in the run of query blocks its key block's ids leave (data:
+        torchattn.backends.kernel_calls.sum_dq_partials)."""
         q_blocks = np.arange(-(-self.q_len // self.block_q))
-        seen = np.broadcast_to(band.kv_blocks_seen(q_blocks, np), q_blocks.shape)  # a scalar without a band
-        return np.arange(self.dq_partial_slots)[:, None] < seen[None, :]
+        first, last = (np.broadcast_to(end, q_blocks.shape) for end in self.band_only.kv_block_run(q_blocks, np))
+        slots = np.arange(self.dq_partial_slots)[:, None]
+        return np.where(slots <= last - first, first + slots, -1)
 
-    def dq_partial_slot(self, kv_block, q_block, xp):  # called on the band alone (KernelSpec.blocks)
+    def dq_partial_slot(self, kv_block, step, xp):
         """The slot the fused backward's step at (key block, q step) writes its dq partial to, in the row of
-        the query block it fetches: the key block's place in that query block's run, so slot s of query
-        block i holds a partial iff s < ``kv_blocks_seen(i)``. A skipped step writes the block of the
-        visible step it fetches (unchanged, so nothing else), or the spare slot if its key block has none."""
-        fetched = self.fetched_q_block(kv_block, q_block, xp)
-        first = self._kv_block_run(fetched, xp)[0]
-        return xp.where(self.visible(fetched, kv_block, xp), kv_block - first, self.dq_partial_slots - 1)
+        the query block it fetches: the key block's place in that query block's run by the band, so slot s of
+        query block i may hold a partial only if s < ``band_only.kv_blocks_seen(i)``. A skipped step writes the
+        block of the visible step it fetches (unchanged, so nothing else), or the spare slot if its key block
+        has none. Without ``runs``, every step the band leaves writes its slot (zeros where the segment ids
+        skip the tile: the kernel's); with them, the slots of the tiles in the q runs the ids leave
+        (:meth:`dq_partial_key_blocks`)."""
+        band = self.band_only
+        if self.runs:
+            fetched = self.fetched_q_block(kv_block, step, xp)
+            written = self.transposed().kv_blocks_seen(kv_block, xp) > 0
+        else:
+            fetched = band.fetched_q_block(kv_block, step, xp)
+            written = band.visible(fetched, kv_block, xp)
+        first = band.kv_block_run(fetched, xp)[0]
+        return xp.where(written, kv_block - first, self.dq_partial_slots - 1)
 
-    def _kv_block_run(self, q_block, xp):
+    def kv_block_run(self, q_block, xp):
         """(first, last) key block query block ``q_block`` may see: the band's run, cut to the blocks its
         segment ids' range meets. last < first: none."""
         first, last = self._keys_seen(q_block, xp)

@@ -74,6 +74,24 @@ class KernelSpec:
         return any(array.name == "segment_ids" for array in self.arrays)
 
     @property
+    def runs(self) -> bool:
+        """The inner grid axis walks each row's run of blocks (kernels/block_geometry.py): a grid with no idle
+        steps beyond the longest run. Not for a sequence shard, whose runs move with its row offsets (data), nor
+        where the score gradient ds is written: every block of it."""
+        return not self.sequence_shard and not self.score_grad
+
+    @property
+    def dynamic_steps(self) -> bool:
+        """The inner axis's steps are data, the block table's (kernels/segment_blocks.py), read at run time."""
+        return self.runs and self.segment_ids
+
+    def inner_steps(self, transposed: bool = False) -> int:
+        """Steps of the inner grid axis by the band alone (segment ids, which are data, aside): of the forward and
+        dq kernels' kv axis, or ``transposed`` of the dk/dv kernels' q axis (per query head)."""
+        band = self.blocks.band_only
+        return band.q_steps() if transposed else band.kv_steps()
+
+    @property
     def blocks(self) -> BlockGeometry:
         """Which tiles are computed and which blocks the index maps fetch, as known before the kernels run:
         for a sequence shard, the rows of the last shard (which sees the most keys), and every tile the band
@@ -99,7 +117,7 @@ class KernelSpec:
                     else None)
         return BlockGeometry(q_len=self.q_len, kv_len=self.kv_len, block_q=self.block_q, block_kv=self.block_kv,
                              left=left, right=right, global_q_len=rows, half=half, offsets=offsets,
-                             segments=segments)
+                             segments=segments, runs=self.runs)
 
     @property
     def transposed_gradients(self) -> bool:
@@ -282,10 +300,9 @@ def tile_paths(spec: KernelSpec, key_ref, q_block, kv_block, visible, tile, diag
         pl.when(visible)(lambda: tile(masked=built[0] == MASKED))
         return
     geometry = spec.geometry(key_ref, None).band_only  # full and on the diagonal by the band; visible by the ids too
-    full = geometry.full(q_block, kv_block)
-    on_diagonal = geometry.on_diagonal(q_block, kv_block) if DIAGONAL in built else False
-    if spec.segment_ids:
-        full, on_diagonal = full & visible, on_diagonal & visible
+    # And visible: a step past its row's run holds the run's last tile (kernels/block_geometry.py), full or not.
+    full = geometry.full(q_block, kv_block) & visible
+    on_diagonal = geometry.on_diagonal(q_block, kv_block) & visible if DIAGONAL in built else False
     if MASK_FREE in built:
         pl.when(full)(lambda: tile(masked=False))
     if MASKED in built:
@@ -315,8 +332,23 @@ def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, sha
 # Block specs and launch plumbing shared by the kernel builders.
 
 
+def inner_steps(spec: KernelSpec, key, transposed: bool = False):
+    """Steps of the inner grid axis (KernelSpec.inner_steps): static, or with dynamic steps the key's entry (an
+    SMEM ref in an index map, the array before the launch)."""
+    if spec.dynamic_steps:
+        return key[arguments.KEY_LENGTH + int(transposed)]
+    return spec.inner_steps(transposed)
+
+
+def grid_extent(spec: KernelSpec, key, transposed: bool = False):
+    """The inner grid axis's extent: :func:`inner_steps`, of the dk/dv kernels' axis for each query head of the
+    group. From a torch tensor key too: torch_xla's Mosaic call takes a dynamic extent as its first operand."""
+    steps = inner_steps(spec, key, transposed)
+    return steps * spec.groups if transposed else steps
+
+
 def q_grid_coords(spec: KernelSpec):
-    """What a (batch, q_heads, q_blocks, kv_blocks) grid step reads: (batch, head, kv_head, q_block,
+    """What a (batch, q_heads, q_blocks, kv steps) grid step reads: (batch, head, kv_head, q_block,
     kv_block). GQA: query head h reads kv head h // groups; skipped kv blocks re-use a fetched one."""
     def coords(b, h, i, j, key_ref):
         return b, h, h // spec.groups, i, spec.geometry(key_ref, b).fetched_kv_block(i, j, jnp)
@@ -344,23 +376,25 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
     """The jax function ``(dropout_key, *arrays) -> tuple of outputs`` around one pallas_call.
 
     The key (int32: the dropout key, then row offsets, then with segment ids their block table: kernels/arguments.py)
-    is prefetched into SMEM; the last grid axis is the sequential (accumulating) one. ``cost_estimate``
-    (see :mod:`.cost`) is what XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
+    is prefetched into SMEM; the last grid axis is the sequential (accumulating) one, and ``grid``'s last entry may
+    be a function of the key giving its extent (dynamic steps: :func:`inner_steps`; Mosaic then takes the extent
+    as the kernel's first operand, torchattn.runtimes.torch_xla). ``cost_estimate`` (see :mod:`.cost`) is what
+    XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
     """
-    call = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=grid, in_specs=in_specs,
-                                               out_specs=out_specs, scratch_shapes=scratch_shapes),
-        out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
-            vmem_limit_bytes=spec.vmem_limit_bytes),
-        interpret=compat.interpret_argument(spec.mode),
-        name=name,
-        cost_estimate=cost_estimate,
-    )
-
     def run(key, *arrays):
+        steps = grid[-1](key) if callable(grid[-1]) else grid[-1]
+        call = pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=1, grid=(*grid[:-1], steps), in_specs=in_specs,
+                                                   out_specs=out_specs, scratch_shapes=scratch_shapes),
+            out_shape=out_shape,
+            compiler_params=pltpu.CompilerParams(
+                dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+                vmem_limit_bytes=spec.vmem_limit_bytes),
+            interpret=compat.interpret_argument(spec.mode),
+            name=name,
+            cost_estimate=cost_estimate,
+        )
         return tuple(call(key, *arrays))
 
     return run

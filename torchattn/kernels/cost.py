@@ -3,7 +3,8 @@
 XLA cannot see inside a ``pallas_call``: without an estimate its cost analysis
 counts nothing for the kernel and its scheduler cannot overlap work around it.
 Everything is counted on the host from the static :class:`KernelSpec` (the
-block grid is static), for one launch, i.e. over every batch and head. In NumPy:
+block grid is the band's: with segment ids its steps are data, and the band's an upper bound), for one launch,
+i.e. over every batch and head. In NumPy:
 jax must not run ops on the host next to torch_xla (on a TPU VM it would open
 the TPU), so the kernels' own block geometry (``KernelSpec.blocks``, see
 :mod:`.block_geometry`) runs here with ``xp=numpy``.
@@ -44,7 +45,7 @@ _WORD = 4  # bytes of a float32 score gradient (ds) or dq partial
 
 
 def forward_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
-    """Forward kernel (out, lse), grid (batch, q_heads, q_blocks, kv_blocks)."""
+    """Forward kernel (out, lse), grid (batch, q_heads, q_blocks, kv steps)."""
     grid = _Grid.of_q_grid(spec, blocks or spec.blocks)
     moved = _input_bytes(spec, grid, backward=False) + grid.q_transfers() * (_bytes(spec, "q") + _bytes(spec, "lse"))
     tiles = grid.tiles_visited()
@@ -53,7 +54,7 @@ def forward_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.Co
 
 
 def dq_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
-    """dq kernel, grid (batch, q_heads, q_blocks, kv_blocks); ``with_ds``: also the score gradient ds."""
+    """dq kernel, grid (batch, q_heads, q_blocks, kv steps); ``with_ds``: also the score gradient ds."""
     grid = _Grid.of_q_grid(spec, blocks or spec.blocks)
     moved = _input_bytes(spec, grid, backward=True) + grid.q_transfers() * _bytes(spec, "q")  # dq written
     if with_ds:  # written for every tile, skipped ones as zeros
@@ -63,7 +64,7 @@ def dq_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = None
 
 
 def dkv_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
-    """dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q_blocks)."""
+    """dk/dv kernel, grid (batch, kv_heads, kv_blocks, groups * q steps)."""
     grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
     written = grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))  # dk, dv
     return _estimate(spec, grid.tiles_visited(), matmuls=4, extra_transcendentals=0,
@@ -74,10 +75,12 @@ def fused_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = N
     """Fused backward kernel, the dk/dv grid: dk, dv, a float32 dq partial per tile the band leaves (a tile the
     segment ids skip writes zeros; a step the band skips writes the block of the visible step it fetches, or a
     spare one: see BlockGeometry.dq_partial_slot), and with ``with_ds`` the score gradient of every tile."""
-    grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
-    band = grid if blocks is None else _Grid.of_kv_grid(spec, spec.blocks)  # the partials follow the band alone
-    slot = spec.blocks.dq_partial_slot(band.kv_block, band.q_block, np)  # q_block: the fetched one
-    partials = band.transfers([band.batch, band.kv_head], [band.group, slot, band.q_block])
+    geometry = blocks or spec.blocks
+    grid = _Grid.of_kv_grid(spec, geometry)
+    # The partials follow the steps; without runs, the band's steps alone (BlockGeometry.dq_partial_slot).
+    walk = grid if spec.runs or blocks is None else _Grid.of_kv_grid(spec, spec.blocks)
+    slot = geometry.dq_partial_slot(walk.kv_block, walk.step, np)
+    partials = walk.transfers([walk.batch, walk.kv_head], [walk.group, slot, walk.q_block])
     written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))
                + partials * spec.block_q * spec.head_dim * _WORD)
     if with_ds:
@@ -92,7 +95,7 @@ class _Grid:
 
     Per slice: ``batch``, ``head`` (query head; kv head in the dk/dv grid) and
     ``kv_head``. Per step: ``group`` (query head within its kv head's group in
-    the dk/dv grid, else 0), the ``q_block`` and ``kv_block`` the index maps
+    the dk/dv grid, else 0), its ``step`` along the inner axis, the ``q_block`` and ``kv_block`` the index maps
     fetch, and whether the tile is ``visible``.
     """
 
@@ -100,28 +103,28 @@ class _Grid:
     head: np.ndarray
     kv_head: np.ndarray
     group: np.ndarray
+    step: np.ndarray
     q_block: np.ndarray
     kv_block: np.ndarray
     visible: np.ndarray
 
     @classmethod
     def of_q_grid(cls, spec: KernelSpec, blocks: BlockGeometry) -> "_Grid":
-        """(batch, q_heads, q_blocks, kv_blocks): kv blocks of skipped tiles are clamped."""
+        """(batch, q_heads, q_blocks, kv steps): kv blocks of skipped tiles are clamped."""
         batch, head = (a.ravel() for a in np.indices((spec.batch, spec.q_heads)))
-        q_block, kv_block = (a.ravel() for a in np.indices((spec.num_q_blocks, spec.num_kv_blocks)))
-        return cls(batch=batch, head=head, kv_head=head // spec.groups, group=np.zeros_like(q_block),
-                   q_block=q_block, kv_block=blocks.fetched_kv_block(q_block, kv_block, np),
-                   visible=np.broadcast_to(blocks.visible(q_block, kv_block, np), q_block.shape))
+        q_block, step = (a.ravel() for a in np.indices((spec.num_q_blocks, blocks.kv_steps())))
+        return cls(batch=batch, head=head, kv_head=head // spec.groups, group=np.zeros_like(q_block), step=step,
+                   q_block=q_block, kv_block=blocks.fetched_kv_block(q_block, step, np),
+                   visible=np.broadcast_to(blocks.step_visible(q_block, step, np), q_block.shape))
 
     @classmethod
     def of_kv_grid(cls, spec: KernelSpec, blocks: BlockGeometry) -> "_Grid":
-        """(batch, kv_heads, kv_blocks, groups * q_blocks): q blocks of skipped tiles are clamped."""
+        """(batch, kv_heads, kv_blocks, groups * q steps): q blocks of skipped tiles are clamped."""
         batch, kv_head = (a.ravel() for a in np.indices((spec.batch, spec.kv_heads)))
-        kv_block, group, q_block = (a.ravel() for a in np.indices((spec.num_kv_blocks, spec.groups,
-                                                                   spec.num_q_blocks)))
-        return cls(batch=batch, head=kv_head, kv_head=kv_head, group=group,
-                   q_block=blocks.fetched_q_block(kv_block, q_block, np), kv_block=kv_block,
-                   visible=np.broadcast_to(blocks.visible(q_block, kv_block, np), q_block.shape))
+        kv_block, group, step = (a.ravel() for a in np.indices((spec.num_kv_blocks, spec.groups, blocks.q_steps())))
+        return cls(batch=batch, head=kv_head, kv_head=kv_head, group=group, step=step,
+                   q_block=blocks.fetched_q_block(kv_block, step, np), kv_block=kv_block,
+                   visible=np.broadcast_to(blocks.kv_step_visible(kv_block, step, np), step.shape))
 
     def tiles_visited(self) -> int:
         return len(self.batch) * int(self.visible.sum())

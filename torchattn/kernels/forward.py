@@ -1,8 +1,9 @@
 """Forward kernel: out and lse by online softmax over key blocks.
 
-Grid (batch, q_heads, q_blocks, kv_blocks); the kv axis is innermost and
+Grid (batch, q_heads, q_blocks, kv steps); the kv axis is innermost and
 sequential, carrying the running max, denominator and output accumulator in
-VMEM scratch (float32). Fully masked key blocks are skipped: their compute is
+VMEM scratch (float32). It walks each query block's run of key blocks
+(kernels/block_geometry.py, ``runs``). Fully masked key blocks are skipped: their compute is
 under ``pl.when`` and their index map points at an already fetched block.
 """
 
@@ -19,7 +20,7 @@ from ..tpu import generations
 from ..tpu.tiling import LANES
 from . import arguments
 from .common import (LN2, NN, KernelSpec, block_scores, block_spec, block_specs, dot, dropout_scale, lanes,
-                     diagonal_pieces, pallas_function, q_grid_coords, score_factor, tile_paths)
+                     diagonal_pieces, grid_extent, pallas_function, q_grid_coords, score_factor, tile_paths)
 from .cost import forward_cost
 
 
@@ -40,10 +41,12 @@ def row_sum_on_mxu(spec: KernelSpec) -> bool:
 
 def forward_kernel(key_ref, *refs, spec: KernelSpec):
     inputs, (o_ref, lse_ref, m_ref, l_ref, acc_ref, q_scaled_ref) = arguments.unpack(spec, refs, backward=False)
-    batch, head, q_block, kv_block = (pl.program_id(i) for i in range(4))
+    batch, head, q_block, step = (pl.program_id(i) for i in range(4))
+    geometry = spec.geometry(key_ref, batch)
+    kv_block = geometry.fetched_kv_block(q_block, step, jnp)  # the tile's, where it is visible
     sum_on_mxu = row_sum_on_mxu(spec)
 
-    @pl.when(kv_block == 0)
+    @pl.when(step == 0)
     def _init():
         m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
         l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
@@ -95,10 +98,9 @@ def forward_kernel(key_ref, *refs, spec: KernelSpec):
         for piece in range(diagonal_pieces(spec)):
             computed(True, slice(piece * size, (piece + 1) * size), (piece + 1) * size)
 
-    tile_paths(spec, key_ref, q_block, kv_block, spec.geometry(key_ref, batch).visible(q_block, kv_block, jnp), tile,
-               diagonal_tile)
+    tile_paths(spec, key_ref, q_block, kv_block, geometry.step_visible(q_block, step, jnp), tile, diagonal_tile)
 
-    @pl.when(kv_block == spec.num_kv_blocks - 1)
+    @pl.when(step == pl.num_programs(3) - 1)
     def _finish():
         l, m = l_ref[...], m_ref[...]  # (block_q, 128), as in the steps
         # l >= 1 for any row that saw a key (its max contributes exp(0)) and 0 for a row that saw none;
@@ -129,7 +131,7 @@ def forward_call(spec: KernelSpec):
                  jax.ShapeDtypeStruct((spec.batch, spec.q_heads, spec.q_pad, LANES), jnp.float32)]
     return pallas_function(
         functools.partial(forward_kernel, spec=spec),
-        spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, spec.num_kv_blocks),
+        spec, grid=(spec.batch, spec.q_heads, spec.num_q_blocks, functools.partial(grid_extent, spec)),
         in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         scratch_shapes=[pltpu.VMEM((bq, LANES), jnp.float32),  # running max
                         pltpu.VMEM((bq, LANES), jnp.float32),  # running denominator

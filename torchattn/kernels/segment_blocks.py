@@ -10,9 +10,13 @@ the index maps and ``pl.when`` (:class:`SegmentBlocks`); the band's skipping (ke
 skips these tiles and fetches none of their blocks. On the host the same table of a given layout
 (:func:`layout_key`) counts the tiles a call visits, for the cost estimate and the schedule reader.
 
-Per batch row the table holds, in order: the smallest and the largest id of each query block, of each key block
-(padding rows left out: they see nothing), then for each query block the first and the last key block whose range
-meets its own, and for each key block the first and the last such query block (0 and -1 where none does). Ranges
+The table starts with two steps counts: of the forward and dq kernels' kv axis, the longest run of key blocks a
+query block may see (the band's run cut to the blocks its ids meet, over every batch row; at least 1), and of the
+dk/dv kernels' q axis, the longest such run of query blocks: the grids walk runs (kernels/block_geometry.py), and
+these are their extents, data. Then per batch row, in order: the smallest and the largest id of each query block,
+of each key block (padding rows left out: they see nothing), then for each query block the first and the last key
+block whose range meets its own, and for each key block the first and the last such query block (0 and -1 where
+none does). Ranges
 meeting is necessary for a visible pair, not sufficient: with ids that are not sorted a tile may be kept that holds
 none, and a run may hold kept tiles between skipped ones (fetched, not computed); in one packed row of sorted ids
 (what packing writes) a tile is kept exactly when it holds a pair of one document, causal or not.
@@ -28,22 +32,59 @@ import torch
 from . import arguments
 
 _BIG = 2**31 - 1
+STEPS = 2  # the table's leading entries: the kv axis's steps (forward, dq), the q axis's (dk/dv, fused)
 
 
 def table_length(batch: int, num_q_blocks: int, num_kv_blocks: int) -> int:
     """int32 entries of :func:`block_table` for a launch, after the key's own KEY_LENGTH."""
-    return batch * 4 * (num_q_blocks + num_kv_blocks)
+    return STEPS + batch * 4 * (num_q_blocks + num_kv_blocks)
 
 
-def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, *, block_q: int, block_kv: int) -> torch.Tensor:
+def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, band) -> torch.Tensor:
     """The flat int32 table (module docstring) of segment ids ``q_ids`` (batch, q_len) and ``kv_ids``
-    (batch, kv_len), any integer dtype, for blocks of ``block_q`` queries and ``block_kv`` keys."""
-    q_low, q_high = _ranges(q_ids, block_q)
-    kv_low, kv_high = _ranges(kv_ids, block_kv)
+    (batch, kv_len), any integer dtype, at the blocks of ``band`` (a kernels.block_geometry.BlockGeometry
+    without a table: the launch's band, whose runs the ids cut)."""
+    q_low, q_high = _ranges(q_ids, band.block_q)
+    kv_low, kv_high = _ranges(kv_ids, band.block_kv)
     meet = (q_low[:, :, None] <= kv_high[:, None, :]) & (kv_low[:, None, :] <= q_high[:, :, None])
     kv_first, kv_last = _run(meet, dim=2)
     q_first, q_last = _run(meet, dim=1)
-    return torch.cat([q_low, q_high, kv_low, kv_high, kv_first, kv_last, q_first, q_last], dim=1).reshape(-1)
+    nq, nk = q_low.shape[1], kv_low.shape[1]
+    runs = torch.from_numpy(_band_runs(band, nq, nk)).to(q_ids.device)
+    steps = [_longest(runs[:nq], runs[nq:2 * nq], kv_first, kv_last),
+             _longest(runs[2 * nq:2 * nq + nk], runs[2 * nq + nk:], q_first, q_last)]
+    return torch.cat([torch.stack(steps).to(torch.int32),
+                      torch.cat([q_low, q_high, kv_low, kv_high, kv_first, kv_last, q_first, q_last],
+                                dim=1).reshape(-1)])
+
+
+def q_runs(key: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first, last) query block whose ids' range meets each key block's, (batch, kv blocks) each, from the
+    kernels' prefetched ``key`` of KernelSpec ``spec`` (a call with segment ids)."""
+    nq, nk = spec.num_q_blocks, spec.num_kv_blocks
+    rows = key[arguments.KEY_LENGTH + STEPS:].reshape(spec.batch, 4 * (nq + nk))
+    start = 4 * nq + 2 * nk  # after q_low, q_high, kv_low, kv_high, kv_first, kv_last
+    return rows[:, start:start + nk], rows[:, start + nk:start + 2 * nk]
+
+
+def _longest(band_first, band_last, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+    """The longest run over the rows of every batch row (at least 1): the band's run of each row (``band_first``,
+    ``band_last``: (rows,)), cut to the ids' run (``first``, ``last``: (batch, rows))."""
+    length = torch.minimum(band_last, last) - torch.maximum(band_first, first) + 1
+    return length.max().clamp(min=1)  # max(), not amax(): torch_xla takes amax() as a reduction over no dims
+
+
+def _band_runs(band, num_q_blocks: int, num_kv_blocks: int):
+    """int32 (2 q blocks + 2 kv blocks,): the band's first and last key block of each query block, then its first
+    and last query block of each key block (every one for a sequence shard, whose runs are not read). One array:
+    in torch_xla's graph each host array, and each Python number an op takes, is an argument of the step's own."""
+    import numpy as np
+
+    q_blocks, kv_blocks = np.arange(num_q_blocks), np.arange(num_kv_blocks)
+    runs = [*band.kv_block_run(q_blocks, np),
+            *(band.transposed().kv_block_run(kv_blocks, np) if band.offsets is None else (0, num_q_blocks - 1))]
+    sizes = (num_q_blocks, num_q_blocks, num_kv_blocks, num_kv_blocks)
+    return np.concatenate([np.broadcast_to(run, (n,)) for run, n in zip(runs, sizes)]).astype(np.int32)
 
 
 def _ranges(ids: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +122,7 @@ class SegmentBlocks:
     batch: Any
     num_q_blocks: int
     num_kv_blocks: int
-    start: int = arguments.KEY_LENGTH
+    start: int = arguments.KEY_LENGTH + STEPS
     transposed_view: bool = False
 
     def transposed(self) -> "SegmentBlocks":
@@ -124,6 +165,5 @@ def layout_key(spec, q_ids, kv_ids):
     def rows(ids, length):
         return torch.as_tensor(np.asarray(ids)).reshape(-1, length).expand(spec.batch, length)
 
-    table = block_table(rows(q_ids, spec.q_len), rows(kv_ids, spec.kv_len), block_q=spec.block_q,
-                        block_kv=spec.block_kv)
+    table = block_table(rows(q_ids, spec.q_len), rows(kv_ids, spec.kv_len), spec.blocks.band_only)
     return np.concatenate([np.zeros(arguments.KEY_LENGTH, np.int32), table.numpy()])

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import counters, internals
-from ..kernels import INTERPRET, kernel_function
+from ..kernels import INTERPRET, grid_operands, kernel_function
 
 
 def call(role: str, spec, args, out_shapes) -> tuple[torch.Tensor, ...]:
@@ -32,4 +32,4 @@ def call(role: str, spec, args, out_shapes) -> tuple[torch.Tensor, ...]:
             import torch_xla.core.xla_builder as xb
 
             return tuple(xb.call_jax(fn, tuple(args)))
-        return internals.tpu_custom_call(fn, args, out_shapes)
+        return internals.tpu_custom_call(fn, args, out_shapes, leading=grid_operands(role, spec, args[0]))

@@ -232,6 +232,19 @@ def test_packed_rows_launch_grids_sized_by_their_ids_and_the_graph_compiles(fake
     compile_stablehlo(text, "v5e", f"packed_{taken}")
 
 
+def test_a_grid_is_sized_by_data_only_where_the_band_leaves_a_row_more_than_one_step():
+    """With segment ids a kernel's grid extent is the block table's (a Mosaic operand) only where it can be more
+    than one step: one key block per query block needs no count (the forward here); two query blocks do (dk/dv)."""
+    from torchattn.kernels import arguments, grid_operands
+
+    spec = lowering_spec(segments=True, q_len=200, kv_len=300, block_q=128, block_kv=384)
+    key = torch.zeros(arguments.key_length(spec), dtype=torch.int32)
+    assert (spec.inner_steps(), spec.inner_steps(transposed=True)) == (1, 2)
+    assert grid_operands("forward", spec, key) == grid_operands("backward_dq", spec, key) == []
+    assert len(grid_operands("backward_dkv", spec, key)) == len(grid_operands("backward_fused", spec, key)) == 1
+    assert grid_operands("backward_dkv", spec, key)[0].shape == ()
+
+
 # ---------------------------------------------------------------------------
 # The generations table against what libtpu reports.
 

@@ -224,12 +224,13 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
     Segment ids are data. Without ``documents`` every tile the band leaves counts, and every pair. With
     ``documents`` (the packed documents' lengths, one row for every batch row: Attention.document_ids), the
     tiles are those their block table leaves (kernels/segment_blocks.py), the useful pairs those within a
-    document, and each skipped grid step of a kernel with several tile paths counts as an idle step: the step's
-    work outside its paths (the index maps, the scalar reads of the table), which the kernels' static grid still
-    runs (a kernel with one path: :func:`_path_steps`)."""
+    document, and the grid is the one the layout's runs give (kernels/block_geometry.py, ``runs``): each of its
+    steps that computes no tile counts as an idle step, the step's work outside its paths (the index maps, the
+    scalar reads of the table). A grid sized by data names its init and finalize regions (``row_regions``): the
+    schedule cannot read their compares to the grid's extent as once per row."""
     import numpy as np
 
-    from ..kernels import arguments, cost
+    from ..kernels import KV_GRID_ROLES, arguments, cost
     from ..kernels.segment_blocks import layout_key
     from .attention import kernel_functions
 
@@ -260,7 +261,7 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
                                  zeroed_dq=name == "backward_fused" and spec.segment_ids, grid=grid)
         # A grid sized by data ends its rows at a step the schedule cannot read as a grid index's constant: its
         # init and finalize regions (the first and the last) are named once per row.
-        rows_end = (0, (len(path_steps) or 1) + 1) if spec.dynamic_steps else ()
+        rows_end = (0, (len(path_steps) or 1) + 1) if spec.steps_are_data(name in KV_GRID_ROLES) else ()
         kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=grid, visible_steps=visible,
                               rows=math.prod(grid[:-1]), dma_bytes_per_step=estimate.bytes_accessed // max(visible, 1),
                               useful_flops=2.0 * matmuls * pairs * attention.head_dim, path_steps=path_steps,

@@ -201,7 +201,7 @@ def sum_dq_partials(spec, partials: torch.Tensor, key: torch.Tensor) -> torch.Te
     blocks j's ids leave (the block table in ``key``, the kernels' prefetched key): data."""
     key_blocks = torch.from_numpy(spec.blocks.dq_partial_key_blocks()).to(partials.device)  # (slots, q blocks)
     written = (key_blocks >= 0)[None]  # (1, slots, q blocks)
-    if spec.dynamic_steps:
+    if spec.runs and spec.segment_ids:
         kv_blocks, q_blocks = key_blocks.clamp(min=0), torch.arange(spec.num_q_blocks, device=partials.device)
         ids_first, ids_last = segment_blocks.q_runs(key, spec)  # (batch, kv blocks) each
         written = written & (ids_first[:, kv_blocks] <= q_blocks) & (q_blocks <= ids_last[:, kv_blocks])

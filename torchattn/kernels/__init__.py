@@ -20,11 +20,12 @@ MODES = (COMPILED, INTERPRET, SIMULATED)
 
 def grid_operands(role: str, spec, key) -> list:
     """What the Mosaic call of kernel ``role`` at ``spec`` takes before the key: its inner grid axis's extent where
-    that is data (KernelSpec.dynamic_steps), from ``key`` (a torch tensor: torch_xla's custom call, which takes
+    that is data (KernelSpec.steps_are_data), from ``key`` (a torch tensor: torch_xla's custom call, which takes
     the kernel's Mosaic body alone), as the kernel's jax function computes it; else nothing."""
     from .common import grid_extent
 
-    return [grid_extent(spec, key, transposed=role in KV_GRID_ROLES)] if spec.dynamic_steps else []
+    transposed = role in KV_GRID_ROLES
+    return [grid_extent(spec, key, transposed)] if spec.steps_are_data(transposed) else []
 
 
 def kernel_function(role: str, spec):

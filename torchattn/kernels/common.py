@@ -80,10 +80,10 @@ class KernelSpec:
         where the score gradient ds is written: every block of it."""
         return not self.sequence_shard and not self.score_grad
 
-    @property
-    def dynamic_steps(self) -> bool:
-        """The inner axis's steps are data, the block table's (kernels/segment_blocks.py), read at run time."""
-        return self.runs and self.segment_ids
+    def steps_are_data(self, transposed: bool = False) -> bool:
+        """The inner grid axis's extent is data, the block table's (kernels/segment_blocks.py), read at run time:
+        with runs and segment ids, where the band leaves a row more than one step (one step needs no count)."""
+        return self.runs and self.segment_ids and self.inner_steps(transposed) > 1
 
     def inner_steps(self, transposed: bool = False) -> int:
         """Steps of the inner grid axis by the band alone (segment ids, which are data, aside): of the forward and
@@ -335,7 +335,7 @@ def dropout_scale(spec: KernelSpec, key_ref, batch, head, q_block, kv_block, sha
 def inner_steps(spec: KernelSpec, key, transposed: bool = False):
     """Steps of the inner grid axis (KernelSpec.inner_steps): static, or with dynamic steps the key's entry (an
     SMEM ref in an index map, the array before the launch)."""
-    if spec.dynamic_steps:
+    if spec.steps_are_data(transposed):
         return key[arguments.KEY_LENGTH + int(transposed)]
     return spec.inner_steps(transposed)
 

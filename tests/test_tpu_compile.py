@@ -211,7 +211,9 @@ def test_pallas_backend_payload_carries_the_pinned_version():
 def test_packed_rows_launch_grids_sized_by_their_ids_and_the_graph_compiles(fake_tpu, take_backward, taken):
     """With segment ids the kernels' inner grid axis walks the runs the ids leave, an extent that is data
     (kernels/block_geometry.py): in the pallas backend's graph each kernel's custom call takes it first, an int32
-    scalar, before the key; libtpu compiles the graph for v5e."""
+    scalar, before the key; libtpu compiles the graph for v5e. What the torch side computes for the kernels (their
+    key, the block table, the extents, the dq sum's slots) adds no argument to the graph: its integers are the
+    graph's constants (torchattn/graph_constants.py)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 
@@ -219,7 +221,8 @@ def test_packed_rows_launch_grids_sized_by_their_ids_and_the_graph_compiles(fake
 
     take_backward(taken == "fused")
     device = torch_xla.device()
-    q, k, v = (torch.randn(2, 4, 1024, 128, dtype=torch.bfloat16).to(device).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(2, heads, 1024, 128, dtype=torch.bfloat16).to(device).requires_grad_()
+               for heads in (4, 2, 2))  # GQA: the dk/dv grid's extent counts each query head of a group
     ids = torch.repeat_interleave(torch.arange(5), torch.tensor([300, 200, 200, 200, 124]))[None].expand(2, 1024)
     out = torchattn.flash_attention(q, k, v, causal=True, segment_ids=ids.to(device), backend="pallas",
                                     block_sizes=BlockSizes(256, 256, 256, 256))
@@ -229,6 +232,8 @@ def test_packed_rows_launch_grids_sized_by_their_ids_and_the_graph_compiles(fake
                 for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
     assert len(operands) == (2 if taken == "fused" else 3)
     assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
+    [main] = [line for line in text.splitlines() if "func.func @main(" in line]
+    assert main.count("%arg") == 4, main  # q, k, v and the ids
     compile_stablehlo(text, "v5e", f"packed_{taken}")
 
 

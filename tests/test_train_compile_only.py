@@ -75,10 +75,9 @@ def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(long_llama, t
         # a few % more); the state it updates overwrites them, so new outputs are the loss and padding.
         assert state <= int(row["argument_bytes"]) <= 1.05 * state
         assert 0 < int(row["output_bytes"]) < state / 16
-    # The same parameters and optimizer state. Beside them each step has a few scalars, and torchattn's kernels a
-    # few small int32 arrays (the band's runs of each launch's block table, the fused backward's dq slots; this
-    # LM's rows are packed, so it has segment ids), each padded to a TPU tile: 16 such arrays at most.
-    assert abs(int(torchattn["argument_bytes"]) - int(eager["argument_bytes"])) < 16 * 1024
+    # The same parameters and optimizer state (eager adds a few scalars). This LM's rows are packed: the integers
+    # torchattn's kernels take beside the segment ids (block tables, grid extents, dq slots) are no arguments.
+    assert abs(int(torchattn["argument_bytes"]) - int(eager["argument_bytes"])) < 4096
     assert int(eager["temp_bytes"]) > int(torchattn["temp_bytes"]) + 4 * LENGTH * LENGTH * 4
     # The step never ran: its parameters are placeholders without a buffer. What may run is
     # transformers' look at the packed batch's position ids, one small graph per traced step.

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tpu import generations
-from .. import runtimes
+from .. import graph_constants, runtimes
 from ..kernels import arguments, segment_blocks, vmem
 from ..call.request import Options, Request, Tensors
 from ..semantics.roles import PER_DEVICE, PAIRS, Q_ROWS
@@ -128,7 +128,8 @@ def kernel_key(spec, tensors: Tensors) -> torch.Tensor:
     dropout_key = tensors.dropout_key if tensors.dropout_key is not None else torch.zeros(3, **zeros)
     offsets = tensors.row_offsets if tensors.row_offsets is not None else torch.zeros(2, **zeros)
     key = torch.cat([dropout_key, offsets])
-    key = torch.where(key >= 2**31, key - 2**32, key).to(torch.int32)
+    half, whole = (graph_constants.constant(n, key.device, key.dtype) for n in (2**31, 2**32))
+    key = torch.where(key >= half, key - whole, key).to(torch.int32)
     if tensors.segment_ids is None:
         return key
     table = segment_blocks.block_table(tensors.segment_ids, tensors.kv_segment_ids, spec.blocks.band_only)
@@ -167,7 +168,7 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     # The per-pair inputs that get a gradient by ``wanted``: they set the dq kernel's outputs and VMEM (kernels.fused).
     spec = kernel_spec(tensors, options, blocks.block_q_bwd, blocks.block_kv_bwd, mode, wanted)
     # Rows that see nothing (-inf) are masked in-kernel; a NaN lse (non-finite scores) stays NaN.
-    arrays = dict(_present(tensors), do=do, lse=torch.where(lse == float("-inf"), 0.0, lse),
+    arrays = dict(_present(tensors), do=do, lse=torch.where(torch.isneginf(lse), 0.0, lse),
                   delta=(do.float() * out.float()).sum(-1) - dlse)  # lse, delta: (batch, q_heads, q_len)
     kernel_args = _kernel_arguments(spec, kernel_key(spec, tensors), arrays, backward=True)
     pair_grads = [array for array in spec.arrays if array.grad]
@@ -199,11 +200,14 @@ def sum_dq_partials(spec, partials: torch.Tensor, key: torch.Tensor) -> torch.Te
     query block i holds the partial of key block j, the s-th of its run by the band (BlockGeometry.dq_partial_slot),
     when the band lets i see j; with the kernels' runs and segment ids also only when i lies in the run of query
     blocks j's ids leave (the block table in ``key``, the kernels' prefetched key): data."""
-    key_blocks = torch.from_numpy(spec.blocks.dq_partial_key_blocks()).to(partials.device)  # (slots, q blocks)
-    written = (key_blocks >= 0)[None]  # (1, slots, q blocks)
+    key_blocks = spec.blocks.dq_partial_key_blocks()  # (slots, q blocks)
+    written = graph_constants.constant(key_blocks >= 0, partials.device, torch.bool)[None]  # (1, slots, q blocks)
     if spec.runs and spec.segment_ids:
-        kv_blocks, q_blocks = key_blocks.clamp(min=0), torch.arange(spec.num_q_blocks, device=partials.device)
-        ids_first, ids_last = segment_blocks.q_runs(key, spec)  # (batch, kv blocks) each
-        written = written & (ids_first[:, kv_blocks] <= q_blocks) & (q_blocks <= ids_last[:, kv_blocks])
+        # gather, not indexing: torch_xla's indexing wraps negative indices with the length as a graph argument
+        kv_blocks = graph_constants.constant(key_blocks.clip(min=0).reshape(1, -1), partials.device, torch.int64)
+        q_blocks = torch.arange(spec.num_q_blocks, device=partials.device)
+        first, last = (run.gather(1, kv_blocks.expand(spec.batch, -1)).reshape(spec.batch, *key_blocks.shape)
+                       for run in segment_blocks.q_runs(key, spec))  # q_runs: (batch, kv blocks) each
+        written = written & (first <= q_blocks) & (q_blocks <= last)
     rows = written.repeat_interleave(spec.block_q, dim=2)  # (1 or batch, slots, q_pad)
     return torch.where(rows[:, None, :, :, None], partials, 0.0).sum(dim=2)

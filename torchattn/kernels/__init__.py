@@ -22,10 +22,13 @@ def grid_operands(role: str, spec, key) -> list:
     """What the Mosaic call of kernel ``role`` at ``spec`` takes before the key: its inner grid axis's extent where
     that is data (KernelSpec.steps_are_data), from ``key`` (a torch tensor: torch_xla's custom call, which takes
     the kernel's Mosaic body alone), as the kernel's jax function computes it; else nothing."""
+    from ..graph_constants import constant
     from .common import grid_extent
 
     transposed = role in KV_GRID_ROLES
-    return [grid_extent(spec, key, transposed)] if spec.steps_are_data(transposed) else []
+    if not spec.steps_are_data(transposed):
+        return []
+    return [grid_extent(spec, key, transposed, constant=lambda n: constant(n, key.device, key.dtype))]
 
 
 def kernel_function(role: str, spec):

@@ -340,11 +340,12 @@ def inner_steps(spec: KernelSpec, key, transposed: bool = False):
     return spec.inner_steps(transposed)
 
 
-def grid_extent(spec: KernelSpec, key, transposed: bool = False):
+def grid_extent(spec: KernelSpec, key, transposed: bool = False, constant=int):
     """The inner grid axis's extent: :func:`inner_steps`, of the dk/dv kernels' axis for each query head of the
-    group. From a torch tensor key too: torch_xla's Mosaic call takes a dynamic extent as its first operand."""
+    group. From a torch tensor key too (torch_xla's Mosaic call takes a dynamic extent as its first operand), with
+    ``constant`` making the group count one of the graph's (torchattn.graph_constants)."""
     steps = inner_steps(spec, key, transposed)
-    return steps * spec.groups if transposed else steps
+    return steps * constant(spec.groups) if transposed else steps
 
 
 def q_grid_coords(spec: KernelSpec):

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .. import graph_constants
 from . import arguments
 
 _BIG = 2**31 - 1
@@ -50,7 +51,7 @@ def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, band) -> torch.Tensor
     kv_first, kv_last = _run(meet, dim=2)
     q_first, q_last = _run(meet, dim=1)
     nq, nk = q_low.shape[1], kv_low.shape[1]
-    runs = torch.from_numpy(_band_runs(band, nq, nk)).to(q_ids.device)
+    runs = graph_constants.constant(_band_runs(band, nq, nk), q_ids.device)
     steps = [_longest(runs[:nq], runs[nq:2 * nq], kv_first, kv_last),
              _longest(runs[2 * nq:2 * nq + nk], runs[2 * nq + nk:], q_first, q_last)]
     return torch.cat([torch.stack(steps).to(torch.int32),
@@ -71,13 +72,13 @@ def _longest(band_first, band_last, first: torch.Tensor, last: torch.Tensor) -> 
     """The longest run over the rows of every batch row (at least 1): the band's run of each row (``band_first``,
     ``band_last``: (rows,)), cut to the ids' run (``first``, ``last``: (batch, rows))."""
     length = torch.minimum(band_last, last) - torch.maximum(band_first, first) + 1
-    return length.max().clamp(min=1)  # max(), not amax(): torch_xla takes amax() as a reduction over no dims
+    # max(), not amax(): torch_xla takes amax() as a reduction over no dims; at least 1 by a constant of the graph
+    return torch.maximum(length.max(), graph_constants.constant(1, length.device, length.dtype))
 
 
 def _band_runs(band, num_q_blocks: int, num_kv_blocks: int):
     """int32 (2 q blocks + 2 kv blocks,): the band's first and last key block of each query block, then its first
-    and last query block of each key block (every one for a sequence shard, whose runs are not read). One array:
-    in torch_xla's graph each host array, and each Python number an op takes, is an argument of the step's own."""
+    and last query block of each key block (every one for a sequence shard, whose runs are not read)."""
     import numpy as np
 
     q_blocks, kv_blocks = np.arange(num_q_blocks), np.arange(num_kv_blocks)
@@ -103,8 +104,8 @@ def _run(meet: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     shape = [1, 1, 1]
     shape[dim] = meet.shape[dim]
     index = torch.arange(meet.shape[dim], device=meet.device).reshape(shape)
-    first = torch.where(meet, index, meet.shape[dim]).amin(dim=dim)
-    last = torch.where(meet, index, -1).amax(dim=dim)
+    first = torch.where(meet, index, graph_constants.constant(meet.shape[dim], meet.device, index.dtype)).amin(dim=dim)
+    last = torch.where(meet, index, graph_constants.constant(-1, meet.device, index.dtype)).amax(dim=dim)
     return torch.where(last >= 0, first, 0).to(torch.int32), last.to(torch.int32)
 
 

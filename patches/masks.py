@@ -105,20 +105,20 @@ def _packed(batch, q_len, kv_len, position_ids, cu_q, cu_k) -> MaskArguments:
         if active is not None and device_mesh.sequence_ways(active) > 1:
             # One process's part of each row (torchattn over a DeviceMesh): the documents are numbered over the
             # whole row, so a document crossing processes has one id on each, then each takes its part.
-            ids = _document_ids(device_mesh.global_rows(active, pos, dim=1))
+            ids = document_ids(device_mesh.global_rows(active, pos, dim=1))
             ids = device_mesh.own_rows(active, ids, dim=1)
             return MaskArguments(segment_ids=ids, kv_segment_ids=ids)
         order = _balanced_order(q_len)
         if order is not None:
             pos = pos.index_select(1, torch.argsort(order).to(pos.device))
-        ids = _document_ids(pos)
+        ids = document_ids(pos)
         if order is not None:
             ids = ids.index_select(1, order.to(pos.device))
         return MaskArguments(segment_ids=ids, kv_segment_ids=ids)
     return MaskArguments()
 
 
-def _document_ids(positions: torch.Tensor) -> torch.Tensor:
+def document_ids(positions: torch.Tensor) -> torch.Tensor:
     """int32 ids of the documents of (batch, length) positions in the natural order: a new one wherever the position
     does not continue by one. cumsum with its dtype given: torch_xla 2.9 keeps a bool input's dtype, and the count
     wraps past 255 (the 256th document of a row would join the first; checked, torch gives int64)."""

@@ -103,6 +103,52 @@ def test_compile_only_reports_hbm_per_chip_and_refuses_v7x_on_this_stack(llama, 
         in err, err
 
 
+def _long_documents(path, count: int) -> str:
+    """A .jsonl of ``count`` documents each longer than any --max-length below: truncated, each fills a window."""
+    with open(path, "w") as f:
+        for _ in range(count):
+            f.write(json.dumps({"text": "the state of the union is strong " * 200}) + "\n")
+    return str(path)
+
+
+def _time_line(out: str, what: str) -> tuple[float, float]:
+    """(GFLOP, documents/s per chip) of the time-per-step line that starts with ``what``."""
+    [line] = [line for line in out.splitlines() if line.startswith(what + ", at least:")]
+    found = re.search(r"analysis: ([\d.e+]+) GFLOP.*at most ([\d,]+) documents/s", line)
+    return float(found[1]), float(found[2].replace(",", ""))
+
+
+def test_compile_only_with_input_counts_the_tiles_its_packed_rows_leave(llama, tmp_path, capsys):
+    """With --input, the rows the first documents pack into: four windows of 256 tokens per 1024-token row, blocks
+    of 512 on v5e. Causal, the band leaves 3 of the 4 tiles; the query block of documents 3 and 4 meets no key of
+    documents 1 and 2, so the kernels visit 2 (worked out by hand, not by the code); the last row's two documents
+    and padding leave 2 too. The compiler counts the band's 3: the second time per step takes the skipped tiles'
+    FLOPs off, at the sample's documents per row."""
+    assert main(["predict", "--model", llama, "--max-length", "256", "--batch-tokens", "1024", "--compile-only", "v5e",
+                 "--input", _long_documents(tmp_path / "docs.jsonl", 10)]) == 0
+    out = capsys.readouterr().out
+    assert ("tiles visited: 50.0% of the attention kernels' tiles (the band alone: 75.0%, which the compiler counts), "
+            "in the first 3 rows --input packs into (mean 3.3 windows, 853 tokens per row)") in out, out
+    every, per_chip = _time_line(out, "time per step")
+    sampled, sampled_per_chip = _time_line(out, "time per step with those tiles and rows")
+    assert sampled < every
+    if "HBM-bound" in out:  # the same step time: documents per row 3.3 of the sample against the synthetic row's 4
+        assert sampled_per_chip == pytest.approx(per_chip * (10 / 3) / 4, rel=0.01)
+
+
+def test_compile_only_with_input_does_not_count_tiles_of_a_call_it_does_not_know(tmp_path, capsys):
+    """The tiles are counted for the call the model's configuration gives, checked against each compiled kernel's
+    own estimate: a sliding window (which that call leaves out) of 16 tokens, in rows of four 512-blocks, leaves
+    out the tiles two blocks or more below the diagonal, so the estimates differ and nothing is estimated."""
+    mistral = train_tiny.save_tiny_causal_lm(str(tmp_path / "mistral"), transformers.MistralConfig, sliding_window=16)
+    capsys.readouterr()  # saving's progress bar
+    assert main(["predict", "--model", mistral, "--max-length", "256", "--batch-tokens", "2048", "--compile-only",
+                 "v5e", "--input", _long_documents(tmp_path / "docs.jsonl", 8)]) == 0
+    out = capsys.readouterr().out
+    assert "tiles visited: not estimated (the step's kernels are not the forward of Attention(" in out, out
+    assert "time per step with those tiles" not in out
+
+
 def test_compile_only_refuses_a_window_a_dense_mask_would_leave_out_as_the_run_does(tmp_path, capsys):
     """--compile-only reads the model as a run does (one loading for both): sdpa's dense mask of the packed
     documents would drop a sliding window shorter than --max-length, so both refuse it."""

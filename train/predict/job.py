@@ -180,17 +180,9 @@ class Job:
 
     def _shard(self, index: int) -> Shard:
         span = self._shard_span(index)
-        texts = self.documents.texts[span.start:span.stop]
-        # verbose=False: documents longer than the model's limit are expected; windows.cut cuts them.
-        tokenized = self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
-        meta, cut = [], []
-        for document, text_tokens in enumerate(tokenized):
-            tokens, truncated, pieces = windows.cut(document, text_tokens, self.frame, max_length=self.max_length,
-                                                    long=self.config.long, stride=self.stride,
-                                                    specials_per_window=self.specials_per_window)
-            meta.append((tokens, truncated, len(pieces)))
-            cut += pieces
-        packed = pack_whole([w.tokens for w in cut], row_length=self.batch_tokens, pad_id=self.tokenizer.pad_token_id)
+        meta, cut, packed = pack_texts(self.documents.texts[span.start:span.stop], self.tokenizer, self.frame,
+                                       max_length=self.max_length, long=self.config.long, stride=self.stride,
+                                       specials_per_window=self.specials_per_window, batch_tokens=self.batch_tokens)
         by_row = [[] for _ in range(len(packed["input_ids"]))]
         for number, (row, _) in enumerate(packed["placement"]):
             by_row[row].append(number)
@@ -221,3 +213,20 @@ class Job:
         return [{"id": self.documents.ids[shard.first + document], "tokens": tokens, "truncated": truncated,
                  "windows": count, **self.head.fields(shard.results[document])}
                 for document, (tokens, truncated, count) in enumerate(shard.meta)]
+
+
+def pack_texts(texts: list[str], tokenizer, frame: windows.Cut, *, max_length: int, long: str, stride: int | None,
+               specials_per_window: int, batch_tokens: int):
+    """Documents as a run packs them: each tokenized, cut into windows (windows.py) and the windows packed whole
+    into rows of ``batch_tokens`` (train/data/packing.py). (per document (tokens, truncated, windows), the
+    windows, pack_whole's rows and placement)."""
+    # verbose=False: documents longer than the model's limit are expected; windows.cut cuts them.
+    tokenized = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    meta, cut = [], []
+    for document, text_tokens in enumerate(tokenized):
+        tokens, truncated, pieces = windows.cut(document, text_tokens, frame, max_length=max_length, long=long,
+                                                stride=stride, specials_per_window=specials_per_window)
+        meta.append((tokens, truncated, len(pieces)))
+        cut += pieces
+    packed = pack_whole([w.tokens for w in cut], row_length=batch_tokens, pad_id=tokenizer.pad_token_id)
+    return meta, cut, packed

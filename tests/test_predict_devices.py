@@ -3,6 +3,7 @@ process's share of a pod slice's inputs, --compile-only for a TPU, and one short
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -134,6 +135,27 @@ def test_compile_only_with_input_counts_the_tiles_its_packed_rows_leave(llama, t
     assert sampled < every
     if "HBM-bound" in out:  # the same step time: documents per row 3.3 of the sample against the synthetic row's 4
         assert sampled_per_chip == pytest.approx(per_chip * (10 / 3) / 4, rel=0.01)
+
+
+def test_a_packed_step_skips_other_documents_tiles_with_nothing_set(llama):
+    """The step a run takes on a TPU, as --compile-only traces it: each layer's forward kernel walks the runs of
+    blocks its row's documents leave, a grid extent that is data (the ids patches derives from the packed
+    positions), so it takes that extent as its first operand (torchattn/kernels/block_geometry.py)."""
+    from torchattn.tpu import devices
+    from train.predict import compile as predict_compile
+    from train.predict import model
+    from train.predict.config import parse_args
+
+    config = parse_args(["--model", llama, "--max-length", "256", "--batch-tokens", "1024", "--compile-only", "v5e"])
+    with devices.seen_as_tpu("v5e"):
+        try:
+            text, causal = predict_compile._step_graph(model.load(config), config)
+        finally:
+            gc.collect()  # the traced step's tensors, never run, before a later test syncs (as compile.run does)
+    operands = [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
+                for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
+    assert causal and len(operands) == transformers.AutoConfig.from_pretrained(llama).num_hidden_layers
+    assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
 
 
 def test_compile_only_with_input_does_not_count_tiles_of_a_call_it_does_not_know(tmp_path, capsys):

@@ -85,6 +85,31 @@ def test_tiny_llama_step_compiles_for_v5e_and_eager_needs_more_hbm(long_llama, t
     assert (executed[0] if executed else 0) - before <= 2
 
 
+def test_a_packed_training_step_skips_other_documents_tiles_with_nothing_set(long_llama, tmp_path):
+    """The LM step the trainer takes on a TPU, as --compile-only traces it: its rows are packed documents, so each
+    kernel (forward, fused backward) walks the runs of blocks the ids patches derives from their positions leave,
+    a grid extent that is data, taken as each custom call's first operand (torchattn/kernels/block_geometry.py)."""
+    import gc
+    import re
+
+    from torchattn.tpu import devices
+    from train import models
+    from train.config import parse_args
+
+    config = parse_args(_flags(long_llama, tmp_path / "hbm.csv", "--compile-only", "v5e"))
+    model_config, _, _ = models.model_config(config.model.name, task="lm", num_labels=None,
+                                             dropout=config.model.dropout)
+    with devices.seen_as_tpu("v5e"):
+        try:
+            text, _ = compile_only.step_graph(model_config, config, "torchattn", LENGTH)
+        finally:
+            gc.collect()  # the traced step's tensors, never run, before a later test syncs (as the sweep does)
+    operands = [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
+                for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
+    assert len(operands) == 2 * model_config.num_hidden_layers, operands  # forward and fused backward per layer
+    assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
+
+
 @pytest.mark.parametrize("topology, named", [("v9z", "v9z"), ("v5e:3x7", "v5e:3x7"), ("v5e:", "'v5e:'"),
                                              ("v5e:2", "'v5e:2'")])
 def test_bad_topology_is_one_line_naming_the_flag(llama, tmp_path, capsys, topology, named):

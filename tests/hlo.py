@@ -1,7 +1,8 @@
 """Test helpers that read torch_xla's graphs: no score-sized arrays, no recompilation.
 
 Get HLO text with ``torch_xla._XLAC._get_xla_tensors_hlo([tensors...])`` (the
-graph before XLA's optimisations, nothing is compiled or run).
+graph before XLA's optimisations, nothing is compiled or run), StableHLO text with
+``torch_xla.core.xla_model.get_stablehlo``.
 """
 
 from __future__ import annotations
@@ -37,3 +38,10 @@ def compile_count() -> int:
 
     data = met.metric_data("CompileTime")
     return data[0] if data else 0
+
+
+def custom_call_operands(stablehlo: str) -> list[list[str]]:
+    """The operand types of each ``tpu_custom_call`` in StableHLO text (torch_xla's ``get_stablehlo``), in order:
+    e.g. ``["tensor<i32>", "tensor<69xi32>", ...]`` for a kernel whose grid extent is data (its first operand)."""
+    return [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
+            for line in stablehlo.splitlines() if "custom_call @tpu_custom_call" in line]

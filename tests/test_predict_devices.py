@@ -16,6 +16,7 @@ import torch
 import transformers
 
 import train_tiny
+from hlo import custom_call_operands
 from torchattn.tpu import generations
 from train.__main__ import main
 from train.predict.documents import share
@@ -152,8 +153,7 @@ def test_a_packed_step_skips_other_documents_tiles_with_nothing_set(llama):
             text, causal = predict_compile._step_graph(model.load(config), config)
         finally:
             gc.collect()  # the traced step's tensors, never run, before a later test syncs (as compile.run does)
-    operands = [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
-                for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
+    operands = custom_call_operands(text)
     assert causal and len(operands) == transformers.AutoConfig.from_pretrained(llama).num_hidden_layers
     assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
 

@@ -39,6 +39,7 @@ from jax._src.lib.mlir import ir  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
 
+from hlo import custom_call_operands  # noqa: E402
 from lowering_matrix import LOWERING_MATRIX, spec as lowering_spec  # noqa: E402
 from torchattn.aot import (Attention, argument_structs, compile_attention, compile_jax, compile_stablehlo,  # noqa: E402
                            device)
@@ -228,8 +229,7 @@ def test_packed_rows_launch_grids_sized_by_their_ids_and_the_graph_compiles(fake
                                     block_sizes=BlockSizes(256, 256, 256, 256))
     out.backward(torch.ones_like(out))
     text = xm.get_stablehlo([out, q.grad, k.grad, v.grad])
-    operands = [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
-                for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
+    operands = custom_call_operands(text)
     assert len(operands) == (2 if taken == "fused" else 3)
     assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
     [main] = [line for line in text.splitlines() if "func.func @main(" in line]

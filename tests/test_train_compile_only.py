@@ -4,6 +4,7 @@ compiler, with torchattn (its pallas kernels as tpu_custom_calls) and with eager
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ pytest.importorskip("libtpu")
 
 import torch_xla.debug.metrics as met  # noqa: E402
 import train_tiny  # noqa: E402
+from hlo import custom_call_operands  # noqa: E402
 
 from train import compile_only  # noqa: E402
 from train.config import ConfigError  # noqa: E402
@@ -89,9 +91,6 @@ def test_a_packed_training_step_skips_other_documents_tiles_with_nothing_set(lon
     """The LM step the trainer takes on a TPU, as --compile-only traces it: its rows are packed documents, so each
     kernel (forward, fused backward) walks the runs of blocks the ids patches derives from their positions leave,
     a grid extent that is data, taken as each custom call's first operand (torchattn/kernels/block_geometry.py)."""
-    import gc
-    import re
-
     from torchattn.tpu import devices
     from train import models
     from train.config import parse_args
@@ -104,8 +103,7 @@ def test_a_packed_training_step_skips_other_documents_tiles_with_nothing_set(lon
             text, _ = compile_only.step_graph(model_config, config, "torchattn", LENGTH)
         finally:
             gc.collect()  # the traced step's tensors, never run, before a later test syncs (as the sweep does)
-    operands = [re.search(r"\} : \(([^)]*)\)", line).group(1).split(", ")
-                for line in text.splitlines() if "custom_call @tpu_custom_call" in line]
+    operands = custom_call_operands(text)
     assert len(operands) == 2 * model_config.num_hidden_layers, operands  # forward and fused backward per layer
     assert all(types[0] == "tensor<i32>" and types[1].endswith("xi32>") for types in operands), operands
 

@@ -114,10 +114,9 @@ def _sampled_estimate(config: PredictConfig, loaded: model.Loaded, text: str, ca
     datasets.disable_progress_bars()  # as a run reads --input
     read = documents.read(config.input, text_column=config.text_column)
     lengths = loaded.lengths
-    meta, cut, packed = pack_texts(read.texts[:config.shard_size], loaded.tokenizer, loaded.frame,
-                                   max_length=lengths.max_length, long=config.long, stride=lengths.stride,
-                                   specials_per_window=loaded.head.SPECIALS_PER_WINDOW,
-                                   batch_tokens=lengths.batch_tokens)
+    _, _, packed = pack_texts(read.texts[:config.shard_size], loaded.tokenizer, loaded.frame,
+                              max_length=lengths.max_length, long=config.long, stride=lengths.stride,
+                              specials_per_window=loaded.head.SPECIALS_PER_WINDOW, batch_tokens=lengths.batch_tokens)
     sampled = min(len(packed["input_ids"]), SAMPLED_ROWS)
     if sampled == 0:
         return "tiles visited: not estimated (--input's first documents hold no token)"
@@ -166,7 +165,8 @@ def _step_graph(loaded: model.Loaded, config: PredictConfig) -> tuple[str, bool]
     packed = pack_whole(documents, row_length=batch_tokens, pad_id=loaded.tokenizer.pad_token_id)
     batch = {name: torch.from_numpy(packed[name]).to(runtime.device())
              for name in ("input_ids", "position_ids", "segment_ids")}
-    inputs = step_inputs(batch, dense_mask=config.attn != "torchattn", causal=is_causal(empty), dtype=torch.float32)
+    causal = is_causal(empty)
+    inputs = step_inputs(batch, dense_mask=config.attn != "torchattn", causal=causal, dtype=torch.float32)
     with torch.no_grad():
         outputs = loaded.head(empty.config).outputs(empty, inputs)
-    return runtime.stablehlo([outputs]), is_causal(empty)
+    return runtime.stablehlo([outputs]), causal

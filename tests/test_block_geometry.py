@@ -277,27 +277,6 @@ def test_any_layout_never_skips_a_visible_pair_and_fetches_each_kept_block_at_it
     assert kept_without_a_pair > 0  # the layouts do exercise it
 
 
-@pytest.mark.parametrize("ordered", [True, False])
-def test_fused_dq_partial_slots_are_the_bands_whatever_the_ids_skip(ordered):
-    """The fused backward's dq partials keep the band's slots (kernels/backward.py): each tile the band leaves
-    has its own slot, marked written (its partial, or zeros where the ids skip it), and the spare slot (the
-    skipped steps') is no tile's; the ids change which tiles are computed, never a slot."""
-    for causal, window in SEGMENT_MASKS:
-        for g, _ in segment_combinations(causal, window, ordered):
-            band = g.band_only
-            q_block, kv_block = np.indices((-(-g.q_len // g.block_q), -(-g.kv_len // g.block_kv)))
-            in_band = np.broadcast_to(band.visible(q_block, kv_block, np), q_block.shape)
-            kept = np.broadcast_to(g.visible(q_block, kv_block, np), q_block.shape)
-            assert (in_band | ~kept).all()
-            slots = np.broadcast_to(band.dq_partial_slot(kv_block, q_block, np), q_block.shape)
-            written = g.dq_partial_key_blocks() >= 0
-            assert g.dq_partial_slots == band.dq_partial_slots
-            for i in range(q_block.shape[0]):
-                mine = slots[i][in_band[i]]
-                assert len(set(mine.tolist())) == len(mine)
-                assert written[mine, i].all() and written[:, i].sum() == len(mine)
-
-
 def longest_run(seen: np.ndarray) -> int:
     """The most blocks between a row's first and last tile with a visible pair, over the rows (at least 1)."""
     runs = [np.flatnonzero(row)[-1] - np.flatnonzero(row)[0] + 1 for row in seen if row.any()]
@@ -343,22 +322,18 @@ def test_walking_runs_of_any_layout_computes_every_tile_with_a_pair_once(causal,
                 assert (np.diff(fetched[row]) >= 0).all() and (fetched[row] < tiles.shape[1]).all()
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["every block", "runs"])
 @pytest.mark.parametrize("ordered", [True, False])
-def test_walking_runs_the_fused_backward_writes_each_dq_partial_to_its_own_band_slot(ordered):
-    """With runs, each step of a key block's run writes the partial of its query block to that key block's place
-    in the band's run of the query block: distinct slots per query block, within those the band marks, and the
-    spare slot (one more than the band's) only where a key block's run is empty."""
+def test_a_key_blocks_walk_computes_each_query_block_at_most_once(ordered, runs):
+    """The fused backward adds each computed tile's dq into its query block's dq in HBM, and waits for a write
+    only when the key block's walk ends (kernels/backward.py, _DqInHbm): that is ordered only because no walk
+    computes two tiles of one query block, which holds for every layout, on both walks."""
     for causal, window in SEGMENT_MASKS:
         for g, _ in segment_combinations(causal, window, ordered):
-            g = dataclasses.replace(g, runs=True)
-            q_blocks = np.arange(-(-g.q_len // g.block_q))
-            assert g.dq_partial_slots == np.max(g.band_only.kv_blocks_seen(q_blocks, np)) + 1  # and a spare
-            written = g.dq_partial_key_blocks() >= 0
+            g = dataclasses.replace(g, runs=runs)
             kv_block, step = np.indices((-(-g.kv_len // g.block_kv), g.q_steps()))
-            in_run = step < np.broadcast_to(g.transposed().kv_blocks_seen(kv_block, np), step.shape)
             q_block = np.broadcast_to(g.fetched_q_block(kv_block, step, np), step.shape)
-            slot = np.broadcast_to(g.dq_partial_slot(kv_block, step, np), step.shape)
-            pairs = list(zip(slot[in_run].tolist(), q_block[in_run].tolist()))
-            assert len(set(pairs)) == len(pairs), "two steps write one slot"
-            assert all(written[s, i] for s, i in pairs)
-            assert (slot[~in_run.any(axis=1)] == g.dq_partial_slots - 1).all()
+            computed = np.broadcast_to(g.kv_step_visible(kv_block, step, np), step.shape)
+            for row in range(step.shape[0]):
+                blocks = q_block[row][computed[row]].tolist()
+                assert len(set(blocks)) == len(blocks), (row, blocks)

@@ -9,7 +9,7 @@ through JAX, in .venv-current (jax 0.12: a race detector that raises); the whole
 
     TEST_STACKS=current bash scripts/test.sh tests/test_kernel_simulated.py
 
-Each case runs the forward and one backward: fused (its dq partials summed after it) or split (dq, then dk/dv),
+Each case runs the forward and one backward: fused (its dq added to in HBM by its own DMAs) or split (dq, then dk/dv),
 a parameter of the pairwise matrix like every feature, and so are block sizes smaller than the call (several
 grid steps along every axis: the simulated DMA pipeline fetches the next block while a step computes).
 """
@@ -83,13 +83,13 @@ def test_matches_reference_forward_and_backward_without_a_race(case, taken, bloc
     assert roles == [taken], "one backward per call, the one asked for"
 
 
-@pytest.mark.parametrize("balanced", [False, True])
-def test_a_sequence_shards_rows_see_their_global_positions(balanced):
+@pytest.mark.parametrize("balanced, taken", [(False, "fused"), (True, "fused"), (True, "split")])
+def test_a_sequence_shards_rows_see_their_global_positions(balanced, taken, take_backward):
     """One call cut along the sequence into 2 shards, each run alone as a device runs it (its query rows, the keys
     whole, its row offsets prefetched: torchattn/spmd/per_device.py), against the float64 reference's rows: causal, a
     window, packed documents crossing the cut, a bias with its gradient, dropout at global positions. The shards' dk, dv
-    add up to the call's. A shard's backward is the split one (kernels/backward.fused: the fused kernel's dq
-    partial slots would depend on the offsets, which are data)."""
+    add up to the call's. A shard's default backward is the fused one (its dq in HBM walks every query block);
+    the split one where it does not fit VMEM."""
     g = torch.Generator().manual_seed(3)
     length, shards, d = 256, 2, 64
     q, do = (torch.randn(1, 4, length, d, generator=g) for _ in range(2))
@@ -108,7 +108,8 @@ def test_a_sequence_shards_rows_see_their_global_positions(balanced):
     options = dataclasses.replace(request.options, sequence_shard=(length, half),
                                   block_sizes=SMALL)
     tensors = request.tensors(1, 1, offsets)
-    assert not backward.fused(kernel_calls.kernel_spec(tensors, options, SMALL.block_q, SMALL.block_kv, SIMULATED))
+    assert backward.fused(kernel_calls.kernel_spec(tensors, options, SMALL.block_q, SMALL.block_kv, SIMULATED))
+    take_backward(taken == "fused")
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for shard in range(shards):
         rows = torch.cat([torch.arange(start, start + half) for start in offsets[shard].tolist()])

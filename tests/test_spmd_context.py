@@ -125,10 +125,12 @@ def test_tpu_compiler_compiles_the_sequence_sharded_pallas_graph(four):
     compiled = compile_stablehlo(text, "v5e", "context", partitions=4)
     hlo = compiled.executable.hlo_modules()[0].to_string()
     calls = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
-    assert len(calls) == 3  # forward, dq, dk/dv: a sequence shard takes the split backward
+    assert len(calls) == 2  # forward, fused backward
     b, hq, hk, s, d = script.BATCH, script.Q_HEADS, script.KV_HEADS, script.SEQ, script.HEAD_DIM
-    # Their results: out and dq a quarter of the rows, each chip's partial dk, dv all of them.
+    # Their results: out a quarter of the rows, each chip's partial dk, dv all of them; dq (float32, 128 lanes:
+    # kernels/backward.fused_dq_width) a quarter of the rows.
     results = {shape for line in calls for shape in re.findall(r"bf16\[[\d,]+\]", line.split("custom-call(")[0])}
     assert results == {f"bf16[{b},{hq},{s // 4},{d}]", f"bf16[{b},{hk},{s},{d}]"}
+    assert f"f32[{b},{hq},{s // 4},128]" in calls[1].split("custom-call(")[0]
     assert re.search(rf"bf16\[{b},{hk},{s},{d}\]\S* all-gather(-start)?\(", hlo)  # K, V gathered
     assert "reduce-scatter" in hlo  # the partial dk, dv summed and cut back to their shards

@@ -96,28 +96,28 @@ def _lowering_case(params) -> tuple[Attention, BlockSizes]:
     return Attention(batch=2, **values), BlockSizes(block_q, block_kv, block_q, block_kv)
 
 
-SPLIT, FUSED = ["forward", "backward_dq", "backward_dkv"], ["forward", "backward_fused", "dq_reduction"]
+SPLIT, FUSED = ["forward", "backward_dq", "backward_dkv"], ["forward", "backward_fused"]
 
 
 def _assert_compiled(compiled, attention: Attention):
-    """Three programs whose HBM arguments and outputs hold at least the tensors of the call: the forward, then
-    the dq and dk/dv kernels, or the fused backward and the sum of its dq partials."""
+    """Programs whose HBM arguments and outputs hold at least the tensors of the call: the forward, then the dq
+    and dk/dv kernels, or the fused backward."""
     names = [c.name for c in compiled]
     assert names in (SPLIT, FUSED)
     itemsize = getattr(torch, attention.dtype).itemsize
     q_bytes = attention.batch * attention.q_heads * attention.q_len * attention.head_dim * itemsize
     kv_bytes = attention.batch * attention.kv_heads * attention.kv_len * attention.head_dim * itemsize
-    forward, dq, dkv = compiled if names == SPLIT else (compiled[0], compiled[2], compiled[1])
+    forward, dkv = compiled[0], compiled[-1]
     assert forward.argument_bytes >= q_bytes + 2 * kv_bytes  # q, k, v (padded: at least)
     assert forward.output_bytes >= q_bytes  # out
     assert dkv.argument_bytes >= 2 * q_bytes + 2 * kv_bytes  # q, k, v, do
-    assert dq.output_bytes >= q_bytes  # dq
-    assert dkv.output_bytes >= 2 * kv_bytes  # dk, dv
     if names == SPLIT:
+        dq = compiled[1]
         assert dq.argument_bytes >= 2 * q_bytes + 2 * kv_bytes  # q, k, v, do
-    else:  # the dq partials, float32
+        assert dq.output_bytes >= q_bytes  # dq
+        assert dkv.output_bytes >= 2 * kv_bytes  # dk, dv
+    else:  # dk, dv and dq, float32
         assert dkv.output_bytes >= 2 * kv_bytes + q_bytes * 4 // itemsize
-        assert dq.argument_bytes >= q_bytes * 4 // itemsize
 
 
 @pytest.mark.parametrize("case", this_stacks_share(pairwise_cases()), ids=str)
@@ -150,11 +150,11 @@ def test_both_backwards_compile_for_every_generation(generation, backward):
     _assert_compiled(compiled, attention)
 
 
-def test_the_default_backward_is_fused_until_its_partials_outgrow_the_chip():
-    """v5e (16 GiB of HBM, 2 GiB for partials): Llama-3-8B's 32 heads at 8k tokens have 2 GiB of float32 dq
-    partials (16 key blocks of 512 per query), at 32k 32 GiB."""
+def test_the_default_backward_is_fused_at_every_length():
+    """v5e (16 GiB of HBM): Llama-3-8B's 32 heads at 8k and at 32k tokens both get the fused backward, whose dq is
+    one float32 copy (at 32k 512 MiB), where per-key-block dq partials would take 32 GiB."""
     names = {n: [name for name, *_ in kernel_functions(SHAPES[f"llama3_8b_{n}k"], "v5e")] for n in (8, 32)}
-    assert names == {8: FUSED, 32: SPLIT}
+    assert names == {8: FUSED, 32: FUSED}
 
 
 # ---------------------------------------------------------------------------

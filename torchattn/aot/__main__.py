@@ -5,8 +5,8 @@
 
 compiles the forward and backward kernels with libtpu's compiler and prints one row
 per kernel: block sizes, compile time, VMEM, HBM per call, FLOPs. The backward is the
-one the call would get (--backward auto: the fused kernel and the XLA sum of its dq
-partials, or the dq and dk/dv kernels; torchattn.kernels.backward.fused), or the one named. With --schedule it
+one the call would get (--backward auto: the fused kernel, or the dq and dk/dv kernels;
+torchattn.kernels.backward.fused), or the one named. With --schedule it
 prints instead what libtpu's own VLIW schedule of each kernel says (torchattn.aot.schedule):
 bundles per grid step (every-step work, and the once-per-row-of-tiles init/finalize),
 MXU-busy bundles, the unit that bounds the step, estimated time per call and fraction of
@@ -53,7 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "to --seq-len = --kv-len; implies --segments: the schedule counts the tiles their segment "
                              "ids leave, and the visited share of tiles is printed beside the mask's own")
     parser.add_argument("--backward", choices=BACKWARDS, default="auto",
-                        help="auto: the backward a call gets; fused: one kernel and a sum of dq partials; "
+                        help="auto: the backward a call gets; fused: one kernel for dq, dk and dv; "
                              "split: the dq and dk/dv kernels")
     shape = parser.add_argument_group("shapes")
     shape.add_argument("--batch", type=_positive_int(), default=1)
@@ -152,17 +152,15 @@ def describe(attention: Attention) -> str:
 
 
 def rows(generation: str, blocks: BlockSizes, estimates: dict[str, int], compiled: list) -> list[list[str]]:
-    """One table row per compiled kernel (forward, backward_dq, backward_dkv or backward_fused, dq_reduction:
-    an XLA op, no VMEM estimate)."""
+    """One table row per compiled kernel (forward, backward_dq, backward_dkv or backward_fused)."""
     vmem_limit = generations.get(generation).usable_vmem_bytes
     forward, backward = (blocks.block_q, blocks.block_kv), (blocks.block_q_bwd, blocks.block_kv_bwd)
     out = []
     for kernel in compiled:
         block_q, block_kv = forward if kernel.name == "forward" else backward
-        vmem = (vmem_limit, estimates[kernel.name]) if kernel.name in estimates else (None, None)  # not a kernel
-        mib = [*vmem, kernel.argument_bytes, kernel.output_bytes, kernel.temp_bytes]
+        mib = [vmem_limit, estimates[kernel.name], kernel.argument_bytes, kernel.output_bytes, kernel.temp_bytes]
         out.append([generation, kernel.name, str(block_q), str(block_kv), f"{kernel.seconds:.1f}",
-                    *("-" if n is None else f"{n / MiB:.1f}" for n in mib), f"{kernel.flops / 1e9:.1f}"])
+                    *(f"{n / MiB:.1f}" for n in mib), f"{kernel.flops / 1e9:.1f}"])
     return out
 
 

@@ -105,7 +105,7 @@ BACKWARDS = ("auto", "fused", "split")  # the call's own choice (kernels/backwar
 def compile_attention(attention: Attention, generation: str, block_sizes: BlockSizes | None = None,
                       backward: str = "auto") -> list[Compiled]:
     """Compiles the forward and backward kernels of ``attention`` for ``generation``: the forward, then the
-    fused backward and the XLA sum of its dq partials, or the dq and dk/dv kernels (``backward``: the one a
+    fused backward, or the dq and dk/dv kernels (``backward``: the one a
     call would get, or the one named).
 
     block_sizes default to the generation's (``BlockSizes.default``); given ones are
@@ -124,8 +124,6 @@ def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSi
     compiles, block sizes and ``backward`` as it takes them (and refused as it refuses them)."""
     from ..kernels import kernel_function
     from ..kernels.backward import fused
-    import jax
-    import jax.numpy as jnp
 
     if backward not in BACKWARDS:
         raise ValueError(f"backward: expected one of {BACKWARDS}, got {backward!r}")
@@ -138,22 +136,6 @@ def kernel_functions(attention: Attention, generation: str, block_sizes: BlockSi
     _, bwd_args = argument_structs(bwd_spec)
     forward = [("forward", kernel_function("forward", fwd_spec), fwd_args, fwd_spec)]
     if backward == "fused" or (backward == "auto" and fused(bwd_spec)):
-        partials = jax.ShapeDtypeStruct((bwd_spec.batch, bwd_spec.q_heads, bwd_spec.blocks.dq_partial_slots,
-                                         bwd_spec.q_pad, bwd_spec.head_dim), jnp.float32)
-        return forward + [("backward_fused", kernel_function("backward_fused", bwd_spec), bwd_args, bwd_spec),
-                          ("dq_reduction", dq_reduction(bwd_spec), [partials], bwd_spec)]
+        return forward + [("backward_fused", kernel_function("backward_fused", bwd_spec), bwd_args, bwd_spec)]
     return forward + [(role, kernel_function(role, bwd_spec), bwd_args, bwd_spec)
                       for role in ("backward_dq", "backward_dkv")]
-
-
-def dq_reduction(spec):
-    """The XLA op the torch side runs after the fused backward (torchattn.backends.kernel_calls.sum_dq_partials), in
-    jax: dq partials -> dq in the call's dtype."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    rows = np.repeat(spec.blocks.dq_partial_key_blocks() >= 0, spec.block_q, axis=1)  # (slots, q_pad): the band's
-
-    def reduce(partials):
-        return jnp.where(rows[:, :, None], partials, 0.0).sum(axis=2).astype(spec.dtype)
-    return reduce

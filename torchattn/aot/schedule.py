@@ -37,7 +37,7 @@ _TPU_CUSTOM_CALL = 'custom_call_target="tpu_custom_call"'  # in a Mosaic kernel'
 class Kernel:
     """One compiled kernel to be measured, and what one call of it does."""
 
-    name: str  # e.g. "forward", "backward_dq", "backward_dkv", "backward_fused", "dq_reduction"
+    name: str  # e.g. "forward", "backward_dq", "backward_dkv", "backward_fused" (a peer's also "dq_reduction")
     fn: Callable  # a jax function of ``structs``, as torchattn.aot.compile_jax takes it
     structs: tuple  # jax.ShapeDtypeStruct arguments
     grid: tuple[int, ...]  # the pallas_call grid (() for a plain XLA op such as a reduction: one step)
@@ -230,7 +230,7 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
     schedule cannot read their compares to the grid's extent as once per row."""
     import numpy as np
 
-    from ..kernels import KV_GRID_ROLES, arguments, cost
+    from ..kernels import KV_GRID_ROLES, cost
     from ..kernels.segment_blocks import layout_key
     from .attention import kernel_functions
 
@@ -238,13 +238,6 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
 
     kernels = []
     for name, fn, structs, spec in kernel_functions(attention, generation, block_sizes, backward):
-        if name == "dq_reduction":  # reads every partial slot, writes dq
-            dq_elements = spec.batch * spec.q_heads * spec.q_pad * spec.head_dim
-            kernels.append(Kernel(name=name, fn=fn, structs=tuple(structs), grid=(), visible_steps=1, rows=1,
-                                  dma_bytes_per_step=dq_elements * (4 * spec.blocks.dq_partial_slots
-                                                                    + arguments.ITEMSIZE[spec.dtype]),
-                                  useful_flops=0.0))
-            continue
         blocks = spec.blocks if ids is None else spec.geometry(layout_key(spec, ids, ids), 0)
         q_blocks, kv_blocks = np.indices((spec.num_q_blocks, spec.num_kv_blocks))
         visible = attention.batch * attention.q_heads * int(blocks.visible(q_blocks, kv_blocks, np).sum())
@@ -257,8 +250,7 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
             "backward_dkv": (kv_grid, cost.dkv_cost(spec, blocks), 4),
             "backward_fused": (kv_grid, cost.fused_cost(spec, spec.score_grad, blocks), 5)}[name]
         pairs = attention.batch * attention.q_heads * band_pairs(attention, documents)
-        path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks,
-                                 zeroed_dq=name == "backward_fused" and spec.segment_ids, grid=grid)
+        path_steps = _path_steps(spec, spec.score_grad and name in WRITES_DS, None if ids is None else blocks)
         # A grid sized by data ends its rows at a step the schedule cannot read as a grid index's constant: its
         # init and finalize regions (the first and the last) are named once per row.
         rows_end = (0, (len(path_steps) or 1) + 1) if spec.steps_are_data(name in KV_GRID_ROLES) else ()
@@ -273,40 +265,24 @@ def torchattn_kernels(attention, generation: str, block_sizes=None, backward: st
 WRITES_DS = ("backward_dq", "backward_fused")  # the kernels that write the score gradient, zeros on skipped tiles
 
 
-def _path_steps(spec, zeroed_skips: bool, layout=None, zeroed_dq: bool = False, grid=()) -> tuple[int, ...]:
-    """Grid steps, in program order: when ``zeroed_dq`` (the fused backward of a call with segment ids) on the
-    steps whose dq partial is zeroed (kernels/backward.py: a tile the ids skip in a step that writes its slot),
-    then on each of a torchattn kernel's tile paths (kernels/common.tile_kinds: mask-free full tiles, masked ones,
-    the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds, whose steps walk every tile), on the
-    skipped tiles whose ds is zeroed; () for a kernel with one path and nothing else predicated per step (its
-    skipped steps then cost nothing: the schedule cannot tell a step's work outside its one path from the rest).
-    ``layout``: a geometry over segment ids' block table, whose skipped tiles take no path (the rest of the
-    ``grid``'s steps are idle, the caller's); without one every tile the band leaves counts as visible."""
+def _path_steps(spec, zeroed_skips: bool, layout=None) -> tuple[int, ...]:
+    """Grid steps, in program order: on each of a torchattn kernel's tile paths (kernels/common.tile_kinds:
+    mask-free full tiles, masked ones, the causal diagonal's), then, when ``zeroed_skips`` (a kernel writing ds,
+    whose steps walk every tile), on the skipped tiles whose ds is zeroed; () for a kernel with one path and
+    nothing else predicated per step (its skipped steps then cost nothing: the schedule cannot tell a step's work
+    outside its one path from the rest). ``layout``: a geometry over segment ids' block table, whose skipped
+    tiles take no path (the rest of the grid's steps are idle, the caller's); without one every tile the band
+    leaves counts as visible."""
     import numpy as np
 
     from ..kernels import common
 
     kinds = common.tile_kinds(spec, layout)
-    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips and not zeroed_dq:
+    if len(kinds) == 1 and common.DIAGONAL not in kinds and not zeroed_skips:
         return ()
     visible = np.logical_or.reduce(list(kinds.values()))
     counts = [int(tiles.sum()) for tiles in kinds.values()] + ([int((~visible).sum())] if zeroed_skips else [])
-    if zeroed_dq:
-        counts.insert(0, _zeroed_dq_steps(spec, layout or spec.blocks, grid[-1] // spec.groups))
     return tuple(spec.batch * spec.q_heads * n for n in counts)
-
-
-def _zeroed_dq_steps(spec, blocks, q_steps: int) -> int:
-    """Steps of one (batch, head) slice of the fused backward whose dq partial slot is zeroed: without runs the
-    tiles the band leaves and the ids skip; with them the steps of a key block's run whose tile holds no pair."""
-    import numpy as np
-
-    kv_block, step = np.indices((spec.num_kv_blocks, q_steps))
-    if spec.runs:
-        in_run = step < blocks.transposed().kv_blocks_seen(kv_block, np)
-    else:
-        in_run = np.broadcast_to(blocks.band_only.visible(step, kv_block, np), step.shape)
-    return int((in_run & ~np.broadcast_to(blocks.kv_step_visible(kv_block, step, np), step.shape)).sum())
 
 
 def band_pairs(attention, documents=None) -> int:

@@ -161,7 +161,7 @@ def forward(tensors: Tensors, options: Options, *, mode: str):
 
 def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, mode: str):
     """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
-    from ..kernels.backward import fused
+    from ..kernels.backward import fused, fused_dq_width
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
@@ -174,12 +174,10 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     pair_grads = [array for array in spec.arrays if array.grad]
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
-    if fused(spec):
-        partials = ((spec.batch, spec.q_heads, spec.blocks.dq_partial_slots, spec.q_pad, spec.head_dim),
-                    torch.float32)
-        dk, dv, partials, *ds = runtimes.call("backward_fused", spec, kernel_args,
-                                              [kv_shape, kv_shape, partials, *ds_shape])
-        dq = sum_dq_partials(spec, partials, kernel_args[0]).to(q.dtype)
+    if fused(spec):  # its dq is float32 (kernels/backward.py)
+        dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, fused_dq_width(spec)), torch.float32)
+        dk, dv, dq, *ds = runtimes.call("backward_fused", spec, kernel_args, [kv_shape, kv_shape, dq_shape, *ds_shape])
+        dq = dq.to(q.dtype)
     else:
         dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, spec.head_dim), q.dtype)
         dq, *ds = runtimes.call("backward_dq", spec, kernel_args, [dq_shape, *ds_shape])
@@ -192,22 +190,3 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
         broadcast = [dim for dim in range(4) if term.shape[dim] == 1 and ds_term.shape[dim] > 1]
         grads[array.name] = (ds_term.sum(dim=broadcast, keepdim=True) if broadcast else ds_term).to(term.dtype)
     return grads
-
-
-def sum_dq_partials(spec, partials: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """dq, float32 (batch, q_heads, q_pad, head_dim), from the fused backward's partials (kernels/backward.py,
-    fused_call): the sum over each query block's slots that hold one; the others were never written. Slot s of
-    query block i holds the partial of key block j, the s-th of its run by the band (BlockGeometry.dq_partial_slot),
-    when the band lets i see j; with the kernels' runs and segment ids also only when i lies in the run of query
-    blocks j's ids leave (the block table in ``key``, the kernels' prefetched key): data."""
-    key_blocks = spec.blocks.dq_partial_key_blocks()  # (slots, q blocks)
-    written = graph_constants.constant(key_blocks >= 0, partials.device, torch.bool)[None]  # (1, slots, q blocks)
-    if spec.runs and spec.segment_ids:
-        # gather, not indexing: torch_xla's indexing wraps negative indices with the length as a graph argument
-        kv_blocks = graph_constants.constant(key_blocks.clip(min=0).reshape(1, -1), partials.device, torch.int64)
-        q_blocks = torch.arange(spec.num_q_blocks, device=partials.device)
-        first, last = (run.gather(1, kv_blocks.expand(spec.batch, -1)).reshape(spec.batch, *key_blocks.shape)
-                       for run in segment_blocks.q_runs(key, spec))  # q_runs: (batch, kv blocks) each
-        written = written & (first <= q_blocks) & (q_blocks <= last)
-    rows = written.repeat_interleave(spec.block_q, dim=2)  # (1 or batch, slots, q_pad)
-    return torch.where(rows[:, None, :, :, None], partials, 0.0).sum(dim=2)

@@ -173,47 +173,6 @@ class BlockGeometry:
         first_block, last_block = self.kv_block_run(q_block, xp)
         return xp.maximum(last_block - first_block + 1, 0)
 
-    @property
-    def dq_partial_slots(self) -> int:
-        """Slots per query block of the fused backward's dq partials, the band's (segment ids, which are data, do
-        not move them): one per key block of the longest run a query block sees, and a spare one written by the
-        steps of key blocks no query block sees (by the band; with ``runs`` and segment ids, by data: always)."""
-        band = self.band_only
-        q_blocks = np.arange(-(-self.q_len // self.block_q))
-        kv_blocks = np.arange(-(-self.kv_len // self.block_kv))
-        seen = band.visible(q_blocks[:, None], kv_blocks[None, :], np)
-        spare = not seen.any(axis=0).all() or (self.runs and self.segments is not None)
-        return int(band.kv_blocks_seen(q_blocks, np).max()) + int(spare)
-
-    def dq_partial_key_blocks(self) -> np.ndarray:
-        """int (dq_partial_slots, q blocks): the key block whose dq partial each slot of each query block may hold,
-        the s-th of its run by the band, or -1 where the band leaves the slot unwritten. Without ``runs`` each
-        other slot is written (a tile the segment ids skip writes zeros to its slot); with ``runs`` and segment
-        ids only those whose query block lies in the run of query blocks its key block's ids leave (data:
-        torchattn.backends.kernel_calls.sum_dq_partials)."""
-        q_blocks = np.arange(-(-self.q_len // self.block_q))
-        first, last = (np.broadcast_to(end, q_blocks.shape) for end in self.band_only.kv_block_run(q_blocks, np))
-        slots = np.arange(self.dq_partial_slots)[:, None]
-        return np.where(slots <= last - first, first + slots, -1)
-
-    def dq_partial_slot(self, kv_block, step, xp):
-        """The slot the fused backward's step at (key block, q step) writes its dq partial to, in the row of
-        the query block it fetches: the key block's place in that query block's run by the band, so slot s of
-        query block i may hold a partial only if s < ``band_only.kv_blocks_seen(i)``. A skipped step writes the
-        block of the visible step it fetches (unchanged, so nothing else), or the spare slot if its key block
-        has none. Without ``runs``, every step the band leaves writes its slot (zeros where the segment ids
-        skip the tile: the kernel's); with them, the slots of the tiles in the q runs the ids leave
-        (:meth:`dq_partial_key_blocks`)."""
-        band = self.band_only
-        if self.runs:
-            fetched = self.fetched_q_block(kv_block, step, xp)
-            written = self.transposed().kv_blocks_seen(kv_block, xp) > 0
-        else:
-            fetched = band.fetched_q_block(kv_block, step, xp)
-            written = band.visible(fetched, kv_block, xp)
-        first = band.kv_block_run(fetched, xp)[0]
-        return xp.where(written, kv_block - first, self.dq_partial_slots - 1)
-
     def kv_block_run(self, q_block, xp):
         """(first, last) key block query block ``q_block`` may see: the band's run, cut to the blocks its
         segment ids' range meets. last < first: none."""

@@ -373,11 +373,12 @@ def block_spec(spec: KernelSpec, array: arguments.Array, coords) -> pl.BlockSpec
 
 
 def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_shape, scratch_shapes, name: str,
-                    cost_estimate: pl.CostEstimate):
+                    cost_estimate: pl.CostEstimate, sequential_axes: int = 1):
     """The jax function ``(dropout_key, *arrays) -> tuple of outputs`` around one pallas_call.
 
     The key (int32: the dropout key, then row offsets, then with segment ids their block table: kernels/arguments.py)
-    is prefetched into SMEM; the last grid axis is the sequential (accumulating) one, and ``grid``'s last entry may
+    is prefetched into SMEM; the last ``sequential_axes`` grid axes run in order on one core (the last accumulates;
+    the others may be split across TensorCores), and ``grid``'s last entry may
     be a function of the key giving its extent (dynamic steps: :func:`inner_steps`; Mosaic then takes the extent
     as the kernel's first operand, torchattn.runtimes.torch_xla). ``cost_estimate`` (see :mod:`.cost`) is what
     XLA's cost analysis and scheduler see of the kernel; interpret mode ignores it.
@@ -390,7 +391,7 @@ def pallas_function(kernel, spec: KernelSpec, *, grid, in_specs, out_specs, out_
                                                    out_specs=out_specs, scratch_shapes=scratch_shapes),
             out_shape=out_shape,
             compiler_params=pltpu.CompilerParams(
-                dimension_semantics=("parallel",) * (len(grid) - 1) + ("arbitrary",),
+                dimension_semantics=("parallel",) * (len(grid) - sequential_axes) + ("arbitrary",) * sequential_axes,
                 vmem_limit_bytes=spec.vmem_limit_bytes),
             interpret=compat.interpret_argument(spec.mode),
             name=name,

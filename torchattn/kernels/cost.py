@@ -37,11 +37,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ..semantics.roles import PAIRS, Q_ROWS
+from ..tpu.tiling import LANES, round_up
 from . import arguments
 from .block_geometry import BlockGeometry
 from .common import KernelSpec
 
-_WORD = 4  # bytes of a float32 score gradient (ds) or dq partial
+_WORD = 4  # bytes of a float32 score gradient (ds) or of the fused backward's dq
 
 
 def forward_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
@@ -72,17 +73,14 @@ def dkv_cost(spec: KernelSpec, blocks: BlockGeometry | None = None) -> pl.CostEs
 
 
 def fused_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = None) -> pl.CostEstimate:
-    """Fused backward kernel, the dk/dv grid: dk, dv, a float32 dq partial per tile the band leaves (a tile the
-    segment ids skip writes zeros; a step the band skips writes the block of the visible step it fetches, or a
-    spare one: see BlockGeometry.dq_partial_slot), and with ``with_ds`` the score gradient of every tile."""
-    geometry = blocks or spec.blocks
-    grid = _Grid.of_kv_grid(spec, geometry)
-    # The partials follow the steps; without runs, the band's steps alone (BlockGeometry.dq_partial_slot).
-    walk = grid if spec.runs or blocks is None else _Grid.of_kv_grid(spec, spec.blocks)
-    slot = geometry.dq_partial_slot(walk.kv_block, walk.step, np)
-    partials = walk.transfers([walk.batch, walk.kv_head], [walk.group, slot, walk.q_block])
+    """Fused backward kernel, the dk/dv grid: dk, dv; dq, float32, zeroed once (a block written, then copied
+    after itself: every block but the last read once, every block written once) and read and written by each
+    visible tile (kernels/backward.py, _DqInHbm); and with ``with_ds`` the score gradient of every tile."""
+    grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
+    dq_block = spec.block_q * round_up(spec.head_dim, LANES) * _WORD  # kernels/backward.py, fused_dq_width
+    zeroing = spec.batch * spec.q_heads * (2 * spec.num_q_blocks - 1)
     written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))
-               + partials * spec.block_q * spec.head_dim * _WORD)
+               + (zeroing + 2 * grid.tiles_visited()) * dq_block)
     if with_ds:
         written += len(grid.batch) * len(grid.visible) * spec.block_q * spec.block_kv * _WORD
     return _estimate(spec, grid.tiles_visited(), matmuls=5, extra_transcendentals=0,

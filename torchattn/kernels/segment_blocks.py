@@ -59,15 +59,6 @@ def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, band) -> torch.Tensor
                                 dim=1).reshape(-1)])
 
 
-def q_runs(key: torch.Tensor, spec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(first, last) query block whose ids' range meets each key block's, (batch, kv blocks) each, from the
-    kernels' prefetched ``key`` of KernelSpec ``spec`` (a call with segment ids)."""
-    nq, nk = spec.num_q_blocks, spec.num_kv_blocks
-    rows = key[arguments.KEY_LENGTH + STEPS:].reshape(spec.batch, 4 * (nq + nk))
-    start = 4 * nq + 2 * nk  # after q_low, q_high, kv_low, kv_high, kv_first, kv_last
-    return rows[:, start:start + nk], rows[:, start + nk:start + 2 * nk]
-
-
 def _longest(band_first, band_last, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
     """The longest run over the rows of every batch row (at least 1): the band's run of each row (``band_first``,
     ``band_last``: (rows,)), cut to the ids' run (``first``, ``last``: (batch, rows))."""

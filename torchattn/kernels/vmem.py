@@ -160,9 +160,10 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
         scratch = [_accumulator_bytes(operands.head_dim, block_q)]
     else:
         outputs = [kv_block, kv_block]  # dk, dv
-        if kernel == FUSED:  # a float32 dq partial, and ds
-            outputs += [_tile_bytes(block_q, d, _WORD)] + ([scores] if operands.score_grad else [])
         scratch = [_accumulator_bytes(operands.head_dim, block_kv)] * 2
+        if kernel == FUSED:  # ds, and dq's two float32 buffers (kernels/backward.py, _DqInHbm)
+            outputs += [scores] if operands.score_grad else []
+            scratch += [_tile_bytes(block_q, d, _WORD)] * 2
     kept = INTERMEDIATES[kernel]
     tiles = kept.scores + kept.dropout * operands.dropout + kept.softcap * operands.softcap
     intermediates = tiles * scores + kept.rows * per_row + kept.operands * (block_q + block_kv) * d * size

@@ -141,7 +141,8 @@ def test_too_large_blocks_are_refused_at_the_call_with_blocks_that_fit(device, f
     assert max(dataclasses.astuple(blocks)) <= max(chip.blocks + chip.blocks_wide_heads), blocks
     attention = Attention(batch=1, q_heads=2, kv_heads=2, q_len=length, kv_len=length, head_dim=head_dim,
                           segments=True, bias="full")
-    assert len(compile_attention(attention, "v5e", blocks)) == 3
+    assert [c.name for c in compile_attention(attention, "v5e", blocks)] in (
+        ["forward", "backward_fused"], ["forward", "backward_dq", "backward_dkv"])
 
 
 @pytest.mark.parametrize("generation", sorted(generations.GENERATIONS))

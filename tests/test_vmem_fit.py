@@ -208,3 +208,25 @@ def test_the_backward_kernels_know_whether_the_bias_gets_a_gradient(device, take
     grads = torch.autograd.grad(out.sum(), (q, bias) if bias_grad else (q,))
     assert seen == [bias_grad]
     assert all(torch.isfinite(g.cpu()).all() for g in grads)
+
+
+def test_a_call_whose_own_forward_fits_larger_blocks_gets_them():
+    """v7x's forward grows to 2048 x 2048 (Generation.forward_blocks_fitted) for a call whose forward fits its
+    48 MiB at those blocks by the estimate; a float32 call with a full float32 bias does not (two 2048 x 2048 bias
+    blocks alone take 32 MiB), so it keeps the blocks that fit every feature, and so does a call with segment ids.
+    Backward blocks, and generations without larger blocks, are unchanged; the grown blocks are clamped to a short
+    call as any are."""
+    shape = dict(batch=1, q_heads=32, kv_heads=8, q_len=8192, kv_len=8192, head_dim=128)
+    plain, biased = Attention(**shape), Attention(**shape, dtype="float32", bias="full")
+    chip = generations.get("v7x")
+    grown = plain.default_block_sizes("v7x")
+    assert (grown.block_q, grown.block_kv, grown.block_q_bwd, grown.block_kv_bwd) == (2048, 2048, *chip.blocks[2:])
+    assert vmem.kernel_bytes("forward", plain.vmem_operands(), 2048, 2048) <= chip.usable_vmem_bytes
+    assert vmem.kernel_bytes("forward", biased.vmem_operands(), 2048, 2048) > chip.usable_vmem_bytes
+    assert biased.default_block_sizes("v7x") == BlockSizes.default(8192, 8192, 128, "v7x")
+    assert plain.default_block_sizes("v5e") == BlockSizes.default(8192, 8192, 128, "v5e")
+    packed = Attention(**shape, segments=True)  # fits too, but skips fewer tiles at larger blocks
+    assert vmem.kernel_bytes("forward", packed.vmem_operands(), 2048, 2048) <= chip.usable_vmem_bytes
+    assert packed.default_block_sizes("v7x") == BlockSizes.default(8192, 8192, 128, "v7x")
+    short = Attention(**{**shape, "q_len": 1000, "kv_len": 1000}).default_block_sizes("v7x")
+    assert (short.block_q, short.block_kv) == (1000, 1024)

@@ -10,6 +10,8 @@ from . import backends
 from .spmd import device_mesh, sharding
 from .tpu import devices
 from .call import features, tune_cache
+from .backends import kernel_calls
+from .kernels import vmem
 from .kernels.block_sizes import BlockSizes
 from .call.request import Options, Request, Tensors
 from .semantics.types import type_name
@@ -175,6 +177,10 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
     request = dataclasses.replace(request, sharding=sharding.resolve(request))
     if device_mesh.wide_ids_relabelled(request, given):  # relabelled by this process alone: number them over all
         request = device_mesh.with_global_ids(request, given)
+    if block_sizes is None and generation is not None:  # the generation's blocks grown to what this call fits
+        fitted = vmem.call_block_sizes(generation, kernel_calls.vmem_operands(request.tensors(), options), q_len,
+                                       kv_len)
+        request = dataclasses.replace(request, options=dataclasses.replace(options, block_sizes=fitted))
     if block_sizes is None:  # what torchattn.tune cached for this call replaces the default
         tuned = tune_cache.lookup(request)
         if tuned is not None:

@@ -78,8 +78,9 @@ class Attention:
                                          mode=COMPILED))
 
     def vmem_operands(self) -> vmem.Operands:
-        """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient)."""
-        request = self.request()
+        """What, besides block sizes, sets the VMEM the kernels need (the bias gets a gradient): the same at any
+        blocks."""
+        request = self.request(BlockSizes(128, 128, 128, 128))
         return kernel_calls.vmem_operands(request.tensors(), request.options)
 
     def features_used(self) -> list[str]:
@@ -88,7 +89,7 @@ class Attention:
         return features.used(self.request(BlockSizes(128, 128, 128, 128)))
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
-        return BlockSizes.default(self.q_len, self.kv_len, self.head_dim, generation)
+        return vmem.call_block_sizes(generation, self.vmem_operands(), self.q_len, self.kv_len)
 
 
 def argument_structs(spec):

@@ -64,6 +64,9 @@ class Generation:
     mxu_columns: int = 128
     # Devices (each running its own program) per chip of a compile-only slice: a TensorCore each on v4 and v7x.
     devices_per_chip: int = 1
+    # Larger forward (block_q, block_kv), any head_dim, that the schedule measured faster than ``blocks``: a call
+    # whose own features fit them gets them (kernels/vmem.call_block_sizes); ``blocks`` fit every feature.
+    forward_blocks_fitted: tuple[int, int] | None = None
 
     def kv_compute(self, head_dim: int) -> int | None:
         """The default BlockSizes.block_kv_compute at ``head_dim``."""
@@ -112,7 +115,10 @@ GENERATIONS = {
                    blocks=(1024, 1024, 1024, 1024), blocks_wide_heads=(1024, 1024, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(1024, 1024, 512), mxu_macs_per_bundle=464_020,
                    stacks=("current",), block_kv_compute=256, block_kv_compute_wide_heads=256, mxu_columns=256,
-                   devices_per_chip=2),
+                   devices_per_chip=2,
+                   # 2048 x 2048 was the fastest forward at head_dim 128 and 256, causal or not
+                   # (docs/bench/current/blocks-v7x-best-forward.csv); it fits 48 MiB without a float32 bias.
+                   forward_blocks_fitted=(2048, 2048)),
     )
 }
 

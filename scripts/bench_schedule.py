@@ -9,8 +9,8 @@ schedule: CSV and PNG per generation.
 Each configuration's kernels are compiled for the generation with libtpu's compile-only client and
 read by ``torchattn.aot.schedule.measure``: estimated seconds per call from the VLIW schedule (an
 estimate from the compiler's static schedule, never a TPU timing). Implementations, at the same
-shapes: torchattn (forward, and the backward a call gets: the fused kernel plus the XLA sum of its dq
-partials, or dq and dk/dv; torchattn.kernels.backward.fused), JAX's splash attention with its split
+shapes: torchattn (forward, and the backward a call gets: the fused kernel, which sums dq itself, or dq
+and dk/dv; torchattn.kernels.backward.fused), JAX's splash attention with its split
 backward (dq, dk/dv) and with its fused backward (plus the XLA sum of its dq partials), and JAX's
 older flash_attention where it has the features (MHA only, no window or softcap), all three at torchattn's
 blocks; and the peers at their own configuration: where tokamax is installed (.venv-current), Tokamax's

@@ -210,12 +210,12 @@ def test_the_backward_kernels_know_whether_the_bias_gets_a_gradient(device, take
     assert all(torch.isfinite(g.cpu()).all() for g in grads)
 
 
-def test_a_call_whose_own_forward_fits_larger_blocks_gets_them():
+def test_a_call_gets_the_blocks_its_own_features_fit():
     """v7x's forward grows to 2048 x 2048 (Generation.forward_blocks_fitted) for a call whose forward fits its
     48 MiB at those blocks by the estimate; a float32 call with a full float32 bias does not (two 2048 x 2048 bias
-    blocks alone take 32 MiB), so it keeps the blocks that fit every feature, and so does a call with segment ids.
-    Backward blocks, and generations without larger blocks, are unchanged; the grown blocks are clamped to a short
-    call as any are."""
+    blocks alone take 32 MiB), so it keeps the blocks that fit every feature; a call with segment ids gets the
+    generation's smaller packed blocks instead (Generation.blocks_packed). Backward blocks, and generations
+    without other blocks, are unchanged; the blocks are clamped to a short call as any are."""
     shape = dict(batch=1, q_heads=32, kv_heads=8, q_len=8192, kv_len=8192, head_dim=128)
     plain, biased = Attention(**shape), Attention(**shape, dtype="float32", bias="full")
     chip = generations.get("v7x")
@@ -227,6 +227,12 @@ def test_a_call_whose_own_forward_fits_larger_blocks_gets_them():
     assert plain.default_block_sizes("v5e") == BlockSizes.default(8192, 8192, 128, "v5e")
     packed = Attention(**shape, segments=True)  # fits too, but skips fewer tiles at larger blocks
     assert vmem.kernel_bytes("forward", packed.vmem_operands(), 2048, 2048) <= chip.usable_vmem_bytes
-    assert packed.default_block_sizes("v7x") == BlockSizes.default(8192, 8192, 128, "v7x")
+    # v7x's packed blocks: its table's forward, the backward at 512; v6e's (table forward 2048 x 2048): 512 blocks,
+    # each computed whole.
+    assert packed.default_block_sizes("v7x") == BlockSizes(1024, 1024, 512, 512, block_kv_compute=256)
+    assert packed.default_block_sizes("v6e") == BlockSizes(512, 512, 512, 512, block_kv_compute=512)
+    assert plain.default_block_sizes("v6e") == BlockSizes.default(8192, 8192, 128, "v6e")
+    short = Attention(**{**shape, "q_len": 300, "kv_len": 300, "segments": True}).default_block_sizes("v6e")
+    assert (short.block_q, short.block_kv, short.block_q_bwd, short.block_kv_bwd) == (304, 384, 304, 384)
     short = Attention(**{**shape, "q_len": 1000, "kv_len": 1000}).default_block_sizes("v7x")
     assert (short.block_q, short.block_kv) == (1000, 1024)

@@ -214,17 +214,20 @@ def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockS
 def call_block_sizes(generation: str, operands: Operands, q_len: int, kv_len: int) -> BlockSizes:
     """A call's default blocks on ``generation``: its larger forward blocks (``forward_blocks_fitted``) where the
     call's own forward fits them, else its defaults (BlockSizes.default), which fit every feature in float32;
-    clamped to the lengths. A call with segment ids keeps the defaults: larger blocks skip fewer tiles of packed
-    documents (v6e, 32k tokens of BBC News: 18 % of the tiles visited at 2048 blocks, 4.8 % at 512;
-    docs/performance.md)."""
+    clamped to the lengths. A call with segment ids gets the generation's ``blocks_packed`` where it has them, else
+    the defaults: smaller blocks leave more tiles of packed documents to skip (v6e, 32k tokens of BBC News: 18 %
+    of the tiles visited at 2048 blocks, 4.8 % at 512; docs/performance.md)."""
+    chip = generations.get(generation)
     default = BlockSizes.default(q_len, kv_len, operands.head_dim, generation)
-    larger = generations.get(generation).forward_blocks_fitted
-    if larger is None or any(array.name == "segment_ids" for array in operands.extra):
+    if any(array.name == "segment_ids" for array in operands.extra):
+        packed = chip.blocks_packed
+        return default if packed is None else BlockSizes(*packed).clamped(q_len, kv_len)
+    larger = chip.forward_blocks_fitted
+    if larger is None:
         return default
     grown = dataclasses.replace(default, block_q=larger[0], block_kv=larger[1]).clamped(q_len, kv_len)
-    fits = kernel_bytes("forward", operands, grown.block_q, grown.block_kv) <= generations.get(
-        generation).usable_vmem_bytes
-    return grown if fits else default
+    return grown if kernel_bytes("forward", operands, grown.block_q, grown.block_kv) <= chip.usable_vmem_bytes \
+        else default
 
 
 def check_fits(generation: str, operands: Operands, block_sizes: BlockSizes) -> None:

@@ -67,6 +67,10 @@ class Generation:
     # Larger forward (block_q, block_kv), any head_dim, that the schedule measured faster than ``blocks``: a call
     # whose own features fit them gets them (kernels/vmem.call_block_sizes); ``blocks`` fit every feature.
     forward_blocks_fitted: tuple[int, int] | None = None
+    # BlockSizes fields (block_q, block_kv, block_q_bwd, block_kv_bwd, block_kv_compute; any head_dim) for a call
+    # with segment ids, whose packed documents leave more tiles to skip at smaller blocks
+    # (kernels/vmem.call_block_sizes); None: the defaults. Each no larger than the table's, so they fit.
+    blocks_packed: tuple[int, int, int, int, int | None] | None = None
 
     def kv_compute(self, head_dim: int) -> int | None:
         """The default BlockSizes.block_kv_compute at ``head_dim``."""
@@ -105,7 +109,10 @@ GENERATIONS = {
         Generation("v6e", "TPU v6 lite", "v6e:2x2", 918e12, 1640e9, 32 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(2048, 2048, 1024, 1024), blocks_wide_heads=(2048, 2048, 1024, 2048),
                    tensorcores=1, mxu_probe_shape=(4096, 1024, 512), mxu_macs_per_bundle=254_744,
-                   block_kv_compute=256, mxu_columns=256),
+                   block_kv_compute=256, mxu_columns=256,
+                   # packed BBC News rows, 2k-32k: fwd+bwd 1.091x the best peer at the table's blocks, 0.913x at 512
+                   # (docs/performance.md, "Packed documents after levers 2 and 3")
+                   blocks_packed=(512, 512, 512, 512, None)),
         # v7x (Ironwood; Google Cloud's figures, its 7.37 TB/s from Google's announcement): a compile-only device
         # is one of a chip's two TensorCores, as on v4 (8 for the 4 chips of tpu7x:2x2x1; libtpu 0.0.52 allocates
         # 94.74 GiB of each 96); 64 MiB of VMEM per core (the compiler's report), like v5p's, so the same 48 MiB
@@ -118,7 +125,9 @@ GENERATIONS = {
                    devices_per_chip=2,
                    # 2048 x 2048 was the fastest forward at head_dim 128 and 256, causal or not
                    # (docs/bench/current/blocks-v7x-best-forward.csv); it fits 48 MiB without a float32 bias.
-                   forward_blocks_fitted=(2048, 2048)),
+                   forward_blocks_fitted=(2048, 2048),
+                   # packed rows: the table's forward, the backward at 512 (fwd+bwd 0.985x -> 0.906x the best peer)
+                   blocks_packed=(1024, 1024, 512, 512, 256)),
     )
 }
 

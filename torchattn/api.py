@@ -177,7 +177,8 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
     request = dataclasses.replace(request, sharding=sharding.resolve(request))
     if device_mesh.wide_ids_relabelled(request, given):  # relabelled by this process alone: number them over all
         request = device_mesh.with_global_ids(request, given)
-    if block_sizes is None and generation is not None:  # the generation's blocks grown to what this call fits
+    if block_sizes is None and generation is not None and q.dtype in kernel_calls.KERNEL_DTYPES:
+        # the generation's blocks fitted to this call (another dtype keeps the defaults: no kernel runs it)
         fitted = vmem.call_block_sizes(generation, kernel_calls.vmem_operands(request.tensors(), options), q_len,
                                        kv_len)
         request = dataclasses.replace(request, options=dataclasses.replace(options, block_sizes=fitted))

@@ -211,14 +211,17 @@ def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockS
     return BlockSizes(*forward, *backward, block_sizes.block_kv_compute)
 
 
-def call_block_sizes(generation: str, operands: Operands, q_len: int, kv_len: int) -> BlockSizes:
+def call_block_sizes(generation: str | None, operands: Operands, q_len: int, kv_len: int) -> BlockSizes:
     """A call's default blocks on ``generation``: its larger forward blocks (``forward_blocks_fitted``) where the
     call's own forward fits them, else its defaults (BlockSizes.default), which fit every feature in float32;
     clamped to the lengths. A call with segment ids gets the generation's ``blocks_packed`` where it has them, else
     the defaults: smaller blocks leave more tiles of packed documents to skip (v6e, 32k tokens of BBC News: 18 %
-    of the tiles visited at 2048 blocks, 4.8 % at 512; docs/performance.md)."""
-    chip = generations.get(generation)
+    of the tiles visited at 2048 blocks, 4.8 % at 512; docs/performance.md). Off a TPU (no generation): the
+    defaults."""
     default = BlockSizes.default(q_len, kv_len, operands.head_dim, generation)
+    if generation is None:
+        return default
+    chip = generations.get(generation)
     if any(array.name == "segment_ids" for array in operands.extra):
         packed = chip.blocks_packed
         return default if packed is None else BlockSizes(*packed).clamped(q_len, kv_len)

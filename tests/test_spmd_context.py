@@ -128,7 +128,7 @@ def test_tpu_compiler_compiles_the_sequence_sharded_pallas_graph(four):
     assert len(calls) == 2  # forward, fused backward
     b, hq, hk, s, d = script.BATCH, script.Q_HEADS, script.KV_HEADS, script.SEQ, script.HEAD_DIM
     # Their results: out a quarter of the rows, each chip's partial dk, dv all of them; dq (float32, 128 lanes:
-    # kernels/backward.fused_dq_width) a quarter of the rows.
+    # kernels/arguments.fused_dq_width) a quarter of the rows.
     results = {shape for line in calls for shape in re.findall(r"bf16\[[\d,]+\]", line.split("custom-call(")[0])}
     assert results == {f"bf16[{b},{hq},{s // 4},{d}]", f"bf16[{b},{hk},{s},{d}]"}
     assert f"f32[{b},{hq},{s // 4},128]" in calls[1].split("custom-call(")[0]

@@ -89,5 +89,5 @@ def test_pallas_graph_builds_on_cpu_with_tpu_custom_calls(fused, take_backward):
     assert any("f32[2,4,256,384]" in r for r in results)  # dq (or fused) kernel's score gradient for dbias
     assert any(r.count("f32[2,2,384,64]") == 2 for r in results)  # dk, dv
     if fused:
-        # dq, float32 in 128 lanes (kernels/backward.fused_dq_width), beside dk and dv
+        # dq, float32 in 128 lanes (kernels/arguments.fused_dq_width), beside dk and dv
         assert any("f32[2,4,256,128]" in r and r.count("f32[2,2,384,64]") == 2 for r in results)

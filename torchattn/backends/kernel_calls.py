@@ -161,7 +161,7 @@ def forward(tensors: Tensors, options: Options, *, mode: str):
 
 def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tuple[str, ...], *, mode: str):
     """{name: gradient} of q, k, v and of each per-pair input in ``wanted`` (the bias)."""
-    from ..kernels.backward import fused, fused_dq_width
+    from ..kernels.backward import fused
 
     q, k = tensors.q, tensors.k
     blocks = options.block_sizes
@@ -175,7 +175,7 @@ def backward(do, dlse, out, lse, tensors: Tensors, options: Options, wanted: tup
     ds_shape = [((spec.batch, spec.q_heads, spec.q_pad, spec.kv_pad), torch.float32)] if pair_grads else []
     kv_shape = ((spec.batch, spec.kv_heads, spec.kv_pad, spec.head_dim), k.dtype)
     if fused(spec):  # its dq is float32 (kernels/backward.py)
-        dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, fused_dq_width(spec)), torch.float32)
+        dq_shape = ((spec.batch, spec.q_heads, spec.q_pad, arguments.fused_dq_width(spec)), torch.float32)
         dk, dv, dq, *ds = runtimes.call("backward_fused", spec, kernel_args, [kv_shape, kv_shape, dq_shape, *ds_shape])
         dq = dq.to(q.dtype)
     else:

@@ -28,7 +28,7 @@ import dataclasses
 import math
 
 from ..semantics.roles import PAIRS, Q_ROWS
-from ..tpu.tiling import LANES, SUBLANES
+from ..tpu.tiling import LANES, SUBLANES, round_up
 
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "int32": 4}
 KEY_LENGTH = 5  # the prefetched key: dropout seed, first batch-head, heads; then two row offsets
@@ -116,6 +116,12 @@ def shape(spec, array: Array) -> tuple[int, ...]:
     if array.features:
         return (spec.batch, *heads, rows, spec.head_dim)
     return (spec.batch, *heads, rows, LANES) if array.role == Q_ROWS else (spec.batch, *heads, SUBLANES, rows)
+
+
+def fused_dq_width(spec) -> int:
+    """The last dim of the fused backward's dq output (kernels/backward.py), float32: head_dim in whole 128-lane
+    tiles (Mosaic's DMAs move whole lane tiles); the torch side cuts it to head_dim."""
+    return round_up(spec.head_dim, LANES)
 
 
 def key_length(spec) -> int:

@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from ..tpu import generations
-from ..tpu.tiling import LANES, round_up
 from . import arguments, common, vmem
+from .arguments import fused_dq_width
 from .common import (LOG2E, NN, NT, TN, TT, WHOLE, KernelSpec, block_scores, block_spec, block_specs, dot,
                      dropout_scale, grid_extent, inner_steps, lanes, pallas_function, q_grid_coords, score_factor,
                      tile_paths)
@@ -137,12 +137,6 @@ def dq_kernel(key_ref, *refs, spec: KernelSpec, with_ds: bool):
     @pl.when(step == pl.num_programs(3) - 1)
     def _finish():
         dq_ref[...] = _untransposed(spec, dq_acc[...]).astype(dq_ref.dtype)
-
-
-def fused_dq_width(spec) -> int:
-    """The last dim of the fused kernel's dq, in HBM and VMEM: head_dim in whole 128-lane tiles (Mosaic's DMAs
-    move whole lane tiles); the torch side cuts it to head_dim."""
-    return round_up(spec.head_dim, LANES)
 
 
 class _DqInHbm:

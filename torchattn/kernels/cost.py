@@ -37,7 +37,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from ..semantics.roles import PAIRS, Q_ROWS
-from ..tpu.tiling import LANES, round_up
 from . import arguments
 from .block_geometry import BlockGeometry
 from .common import KernelSpec
@@ -77,7 +76,7 @@ def fused_cost(spec: KernelSpec, with_ds: bool, blocks: BlockGeometry | None = N
     after itself: every block but the last read once, every block written once) and read and written by each
     visible tile (kernels/backward.py, _DqInHbm); and with ``with_ds`` the score gradient of every tile."""
     grid = _Grid.of_kv_grid(spec, blocks or spec.blocks)
-    dq_block = spec.block_q * round_up(spec.head_dim, LANES) * _WORD  # kernels/backward.py, fused_dq_width
+    dq_block = spec.block_q * arguments.fused_dq_width(spec) * _WORD
     zeroing = spec.batch * spec.q_heads * (2 * spec.num_q_blocks - 1)
     written = (grid.kv_transfers() * (_bytes(spec, "k") + _bytes(spec, "v"))
                + (zeroing + 2 * grid.tiles_visited()) * dq_block)

@@ -227,7 +227,7 @@ def call_block_sizes(generation: str | None, operands: Operands, q_len: int, kv_
         if chip.blocks_packed is None:
             return default
         packed = BlockSizes(*chip.blocks_packed).clamped(q_len, kv_len)
-        if q_len <= chip.blocks[0]:  # one of the table's forward blocks holds the row: its forward is faster
+        if q_len <= default.block_q:  # one of the table's forward blocks holds the row: its forward is faster
             packed = dataclasses.replace(packed, block_q=default.block_q, block_kv=default.block_kv,
                                          block_kv_compute=default.block_kv_compute)
         return packed

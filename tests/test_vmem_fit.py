@@ -28,10 +28,12 @@ SLACK_FACTOR, SLACK_BYTES = 1.5, 1 * MiB
 
 
 def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, block_kv: int,
-              vmem_limit: int) -> bool:
-    """Whether ``kernel`` compiles for ``generation`` with Mosaic's VMEM limit at ``vmem_limit`` bytes;
-    False when the compiler runs out of VMEM, anything else is raised."""
-    forward_spec, backward_spec = attention.specs(BlockSizes(block_q, block_kv, block_q, block_kv), generation)
+              vmem_limit: int, compute: int | None = None) -> bool:
+    """Whether ``kernel`` compiles for ``generation`` with Mosaic's VMEM limit at ``vmem_limit`` bytes (the
+    forward computing ``compute`` keys at a time); False when the compiler runs out of VMEM, anything else is
+    raised."""
+    blocks = BlockSizes(block_q, block_kv, block_q, block_kv, block_kv_compute=compute)
+    forward_spec, backward_spec = attention.specs(blocks, generation)
     spec = dataclasses.replace(forward_spec if kernel == "forward" else backward_spec, vmem_limit_bytes=vmem_limit)
     forward_args, backward_args = argument_structs(spec)
     args = forward_args if kernel == "forward" else backward_args
@@ -44,7 +46,7 @@ def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, 
     return True
 
 
-def _first_failure_below(attention, generation, kernel, block_q, block_kv, start, stop, step=0.9):
+def _first_failure_below(attention, generation, kernel, block_q, block_kv, start, stop, step=0.9, compute=None):
     """A short search down from ``start``: the first VMEM limit, in steps of ``step`` down to ``stop``
     (``stop`` itself last), under which the kernel does not compile; None if it compiles at all of them.
 
@@ -53,7 +55,7 @@ def _first_failure_below(attention, generation, kernel, block_q, block_kv, start
     limit = start
     while limit > stop:
         limit = max(stop, int(limit * step) // 4096 * 4096)
-        if not _compiles(attention, generation, kernel, block_q, block_kv, limit):
+        if not _compiles(attention, generation, kernel, block_q, block_kv, limit, compute):
             return limit
     return None
 
@@ -92,6 +94,28 @@ def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
     failure = _first_failure_below(attention, generation, kernel, block_q, block_kv, estimate, floor)
     assert failure is not None, (f"compiles within {floor / MiB:.2f} MiB: the estimate of {estimate / MiB:.2f} MiB "
                                  f"is more than {SLACK_FACTOR}x + {SLACK_BYTES / MiB:.0f} MiB the need")
+
+
+COMPUTE_CASES = [  # generation, head_dim, dtype, features, whether to search for the need too (4-5 compiles)
+    ("v6e", 128, "bfloat16", "", True),
+    ("v6e", 256, "float32", "segments", False),
+]
+
+
+@pytest.mark.parametrize("case", COMPUTE_CASES, ids=lambda case: "-".join(map(str, case[:4])))
+def test_forward_estimate_at_its_compute_block_is_an_upper_bound_close_to_the_need(case):
+    """Forwards at 2048 x 2048 computing 256 keys at a time, their intermediates counted at the compute block: far
+    below the whole key block's count, still an upper bound, and as close to the need as every other estimate."""
+    generation, head_dim, dtype, features, search = case
+    attention = _attention(head_dim, dtype, 2048, 2048, features)
+    estimate = vmem.kernel_bytes("forward", attention.vmem_operands(), 2048, 2048, 256)
+    assert estimate < 0.75 * vmem.kernel_bytes("forward", attention.vmem_operands(), 2048, 2048)
+    assert _compiles(attention, generation, "forward", 2048, 2048, estimate, compute=256), \
+        f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
+    floor = int((estimate - SLACK_BYTES) / SLACK_FACTOR)
+    assert not search or _first_failure_below(attention, generation, "forward", 2048, 2048, estimate, floor,
+                                              compute=256), \
+        f"compiles within {floor / MiB:.2f} MiB: the estimate of {estimate / MiB:.2f} MiB is too far above the need"
 
 
 NARROW_CASES = [  # below 128 lanes: unpadded arrays, transposed backward accumulators (vmem.py's docstring)
@@ -151,7 +175,7 @@ def test_suggested_block_sizes_fit_and_are_no_larger(generation, head_dim, dtype
     operands = Attention(batch=1, q_heads=1, kv_heads=1, q_len=8192, kv_len=8192, head_dim=head_dim, dtype=dtype,
                          segments=True, bias="full").vmem_operands()
     given = BlockSizes(8192, 4096, 2048, 8192)
-    suggested = vmem.fitting_block_sizes(generation, operands, given)
+    suggested = vmem.shrunk_to_fit(generation, operands, given)
     vmem.check_fits(generation, operands, suggested)
     assert all(s <= g for s, g in zip(dataclasses.astuple(suggested), dataclasses.astuple(given)))
 
@@ -224,6 +248,10 @@ def test_a_call_gets_the_blocks_its_own_features_fit():
     assert vmem.kernel_bytes("forward", plain.vmem_operands(), 2048, 2048) <= chip.usable_vmem_bytes
     assert vmem.kernel_bytes("forward", biased.vmem_operands(), 2048, 2048) > chip.usable_vmem_bytes
     assert biased.default_block_sizes("v7x") == BlockSizes.default(8192, 8192, 128, "v7x")
+    # A float32 call at head_dim 256 fits them only with the forward's intermediates counted at its compute block.
+    wide = Attention(**{**shape, "head_dim": 256}, dtype="float32")
+    assert vmem.kernel_bytes("forward", wide.vmem_operands(), 2048, 2048) > chip.usable_vmem_bytes
+    assert wide.default_block_sizes("v7x").block_q == 2048
     assert plain.default_block_sizes("v5e") == BlockSizes.default(8192, 8192, 128, "v5e")
     packed = Attention(**shape, segments=True)  # fits too, but skips fewer tiles at larger blocks
     assert vmem.kernel_bytes("forward", packed.vmem_operands(), 2048, 2048) <= chip.usable_vmem_bytes

@@ -179,8 +179,8 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
         request = device_mesh.with_global_ids(request, given)
     if block_sizes is None and generation is not None and q.dtype in kernel_calls.KERNEL_DTYPES:
         # the generation's blocks fitted to this call (another dtype keeps the defaults: no kernel runs it)
-        fitted = vmem.call_block_sizes(generation, kernel_calls.vmem_operands(request.tensors(), options), q_len,
-                                       kv_len)
+        fitted = vmem.fitting_block_sizes(generation, kernel_calls.vmem_operands(request.tensors(), options),
+                                          q_len, kv_len)
         request = dataclasses.replace(request, options=dataclasses.replace(options, block_sizes=fitted))
     if block_sizes is None:  # what torchattn.tune cached for this call replaces the default
         tuned = tune_cache.lookup(request)

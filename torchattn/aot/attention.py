@@ -89,7 +89,7 @@ class Attention:
         return features.used(self.request(BlockSizes(128, 128, 128, 128)))
 
     def default_block_sizes(self, generation: str) -> BlockSizes:
-        return vmem.call_block_sizes(generation, self.vmem_operands(), self.q_len, self.kv_len)
+        return vmem.fitting_block_sizes(generation, self.vmem_operands(), self.q_len, self.kv_len)
 
 
 def argument_structs(spec):

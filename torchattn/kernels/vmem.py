@@ -46,6 +46,14 @@ fused backward, over 10 more: 1.11x to 1.40x. MiB:
     v4 fused      128      bfloat16  512x512    segments, bias             9.83  10.91
     v6e fused     128      bfloat16  1024x1024  segments, bias            30.23  33.81
 
+The forward computes a key block ``block_kv_compute`` keys at a time (BlockSizes): without a per-pair input the
+compiler keeps one compute block's scores, and the estimate counts those. 2048 x 2048 blocks computing 256 keys at
+a time, need (bisected) against the estimate at the compute block and, before, at the whole key block, MiB:
+v6e (libtpu 0.0.21) bfloat16 head_dim 128 12.48 / 15.34 / 30.00, float32 256 with segments 29.29 / 34.50 / 51.12;
+v7x (libtpu 0.0.52) bfloat16 128 8.38 / 15.34 / 30.00, float32 256 13.86 / 32.38 / 49.00. With a full bias
+the need exceeds the whole block's count (v7x, bfloat16 128: 40.56 against 62.00 counted by whole block), so
+there the whole block is counted.
+
 Below 128 lanes (arguments.narrow) the same estimate is an upper bound that the intermediates were not
 calibrated for: the compiler needs far less there (v5e, head_dim 64, 8 q / 4 kv heads, 8192 tokens:
 dq bfloat16 1024x1024 5.44 MiB against an estimate of 15.62; dk/dv 9.09 against 17.25; forward float32
@@ -138,8 +146,10 @@ def _accumulator_bytes(head_dim: int, rows: int) -> int:
     return _tile_bytes(rows, round_up(head_dim, LANES), _WORD)
 
 
-def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -> int:
-    """VMEM ``kernel`` ("forward", "backward_dq", "backward_dkv", "backward_fused") needs at these block sizes."""
+def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int,
+                 block_kv_compute: int | None = None) -> int:
+    """VMEM ``kernel`` ("forward", "backward_dq", "backward_dkv", "backward_fused") needs at these block sizes;
+    the forward's intermediates at its compute block (``block_kv_compute``, None: the whole key block)."""
     if kernel not in INTERMEDIATES:
         raise ValueError(f"kernel: expected one of {tuple(INTERMEDIATES)}, got {kernel!r}")
     size = _ITEMSIZE[operands.dtype]
@@ -147,6 +157,11 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
     q_block, kv_block = _tile_bytes(block_q, d, size), _tile_bytes(block_kv, d, size)
     per_row = _tile_bytes(block_q, LANES, _WORD)  # lse, delta, running max: lane-broadcast float32
     scores = _tile_bytes(block_q, block_kv, _WORD)
+    computed = block_kv  # the keys whose scores the compiler keeps at once
+    if kernel == "forward" and block_kv_compute and not any(array.role == PAIRS for array in operands.extra):
+        # Measured (v7x, 2048 x 2048, compute 256: module docstring): without a per-pair input the compiler keeps
+        # one compute block's scores; with a full bias it needs more than the whole block's, as counted.
+        computed = min(block_kv, block_kv_compute)
     inputs = [q_block, kv_block, kv_block]  # q, k, v
     others = operands.extra + (arguments.backward_arrays(operands.dtype) if kernel != "forward" else ())
     for array in others:
@@ -166,15 +181,17 @@ def kernel_bytes(kernel: str, operands: Operands, block_q: int, block_kv: int) -
             scratch += [_tile_bytes(block_q, d, _WORD)] * 2
     kept = INTERMEDIATES[kernel]
     tiles = kept.scores + kept.dropout * operands.dropout + kept.softcap * operands.softcap
-    intermediates = tiles * scores + kept.rows * per_row + kept.operands * (block_q + block_kv) * d * size
+    intermediates = (tiles * _tile_bytes(block_q, computed, _WORD) + kept.rows * per_row
+                     + kept.operands * (block_q + computed) * d * size)
     return _BUFFERS * (sum(inputs) + sum(outputs)) + sum(scratch) + int(intermediates)
 
 
-def kernel_blocks(block_sizes: BlockSizes) -> dict[str, tuple[int, int]]:
-    """(block_q, block_kv) per kernel: the forward's, and the _bwd sizes for both backward kernels."""
+def kernel_blocks(block_sizes: BlockSizes) -> dict[str, tuple[int, ...]]:
+    """:func:`kernel_bytes`'s blocks per kernel: the forward's with its compute block, and the _bwd sizes for both
+    backward kernels."""
     backward = (block_sizes.block_q_bwd, block_sizes.block_kv_bwd)
-    return {"forward": (block_sizes.block_q, block_sizes.block_kv), "backward_dq": backward,
-            "backward_dkv": backward}
+    return {"forward": (block_sizes.block_q, block_sizes.block_kv, block_sizes.block_kv_compute),
+            "backward_dq": backward, "backward_dkv": backward}
 
 
 def needs(operands: Operands, block_sizes: BlockSizes) -> dict[str, int]:
@@ -182,7 +199,7 @@ def needs(operands: Operands, block_sizes: BlockSizes) -> dict[str, int]:
     return {kernel: kernel_bytes(kernel, operands, *blocks) for kernel, blocks in kernel_blocks(block_sizes).items()}
 
 
-def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockSizes) -> BlockSizes | None:
+def shrunk_to_fit(generation: str, operands: Operands, block_sizes: BlockSizes) -> BlockSizes | None:
     """``block_sizes`` with each kernel pair that does not fit ``generation``'s VMEM shrunk: its larger
     block halved until its kernels fit and no block exceeds the largest of the generation's default
     blocks (larger ones compile far slower and gain little). None if even 8 x 128 blocks do not fit."""
@@ -190,7 +207,8 @@ def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockS
     largest = max(chip.blocks + chip.blocks_wide_heads)
 
     def fits(block_q, block_kv, kernels):
-        return all(kernel_bytes(k, operands, block_q, block_kv) <= chip.usable_vmem_bytes for k in kernels)
+        return all(kernel_bytes(k, operands, block_q, block_kv, block_sizes.block_kv_compute)
+                   <= chip.usable_vmem_bytes for k in kernels)
 
     def shrink(block_q, block_kv, kernels):
         if fits(block_q, block_kv, kernels):
@@ -211,7 +229,7 @@ def fitting_block_sizes(generation: str, operands: Operands, block_sizes: BlockS
     return BlockSizes(*forward, *backward, block_sizes.block_kv_compute)
 
 
-def call_block_sizes(generation: str | None, operands: Operands, q_len: int, kv_len: int) -> BlockSizes:
+def fitting_block_sizes(generation: str | None, operands: Operands, q_len: int, kv_len: int) -> BlockSizes:
     """A call's default blocks on ``generation``: its larger forward blocks (``forward_blocks_fitted``) where the
     call's own forward fits them, else its defaults (BlockSizes.default), which fit every feature in float32;
     clamped to the lengths. A call with segment ids gets the generation's ``blocks_packed`` where it has them:
@@ -235,8 +253,8 @@ def call_block_sizes(generation: str | None, operands: Operands, q_len: int, kv_
     if larger is None:
         return default
     grown = dataclasses.replace(default, block_q=larger[0], block_kv=larger[1]).clamped(q_len, kv_len)
-    return grown if kernel_bytes("forward", operands, grown.block_q, grown.block_kv) <= chip.usable_vmem_bytes \
-        else default
+    fits = kernel_bytes("forward", operands, *kernel_blocks(grown)["forward"]) <= chip.usable_vmem_bytes
+    return grown if fits else default
 
 
 def check_fits(generation: str, operands: Operands, block_sizes: BlockSizes) -> None:
@@ -248,7 +266,7 @@ def check_fits(generation: str, operands: Operands, block_sizes: BlockSizes) -> 
     blocks = kernel_blocks(block_sizes)
     lines = [f"{kernel} kernel with block_q={blocks[kernel][0]}, block_kv={blocks[kernel][1]} needs "
              f"{need / MiB:.1f} MiB" for kernel, need in too_big.items()]
-    fitting = fitting_block_sizes(generation, operands, block_sizes)
+    fitting = shrunk_to_fit(generation, operands, block_sizes)
     advice = (f"block sizes that fit: {fitting!r}" if fitting is not None
               else "no block sizes fit (head_dim too large for this chip)")
     raise ValueError(

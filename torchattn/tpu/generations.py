@@ -65,11 +65,11 @@ class Generation:
     # Devices (each running its own program) per chip of a compile-only slice: a TensorCore each on v4 and v7x.
     devices_per_chip: int = 1
     # Larger forward (block_q, block_kv), any head_dim, that the schedule measured faster than ``blocks``: a call
-    # whose own features fit them gets them (kernels/vmem.call_block_sizes); ``blocks`` fit every feature.
+    # whose own features fit them gets them (kernels/vmem.fitting_block_sizes); ``blocks`` fit every feature.
     forward_blocks_fitted: tuple[int, int] | None = None
     # BlockSizes fields (block_q, block_kv, block_q_bwd, block_kv_bwd, block_kv_compute; any head_dim) for a call
     # with segment ids, whose packed documents leave more tiles to skip at smaller blocks
-    # (kernels/vmem.call_block_sizes); None: the defaults. Each no larger than the table's, so they fit.
+    # (kernels/vmem.fitting_block_sizes); None: the defaults. Each no larger than the table's, so they fit.
     blocks_packed: tuple[int, int, int, int, int | None] | None = None
 
     def kv_compute(self, head_dim: int) -> int | None:

@@ -155,26 +155,27 @@ def _checked_candidates(candidates, q_len: int, kv_len: int) -> list[BlockSizes]
 
 
 def _search(request, backend: str, seconds: Callable[[BlockSizes], float]) -> BlockSizes:
-    """The default candidates (see tune): the forward pair, then the backward pair."""
+    """The default candidates (see tune): the forward pair, then the backward pair, the backward held at the
+    blocks the call gets by default while the forward is searched."""
     generation = request.options.generation
+    # The generation's compute block (None: the whole block), whatever block_kv is tried.
+    compute = None if generation is None else generations.get(generation).kv_compute(request.head_dim)
     start = BlockSizes.default(request.q_len, request.kv_len, request.head_dim, generation)
     pairs = candidate_pairs(request.q_len, request.kv_len)
     forward_pairs, backward_pairs = pairs, pairs
     if backends.BACKENDS[backend].vmem_checked and generation is not None:  # would be refused at the call
         available = generations.get(generation).usable_vmem_bytes
         operands = kernel_calls.vmem_operands(request.tensors(), request.options)
-        needs = functools.partial(vmem.kernel_bytes, operands=operands)
+        start = vmem.fitting_block_sizes(generation, operands, request.q_len, request.kv_len)
 
         def fit(kernels):
             return [(bq, bkv) for bq, bkv in pairs
-                    if all(needs(kernel, block_q=bq, block_kv=bkv) <= available for kernel in kernels)]
+                    if all(vmem.kernel_bytes(kernel, operands, bq, bkv, compute) <= available for kernel in kernels)]
 
         forward_pairs, backward_pairs = fit(vmem.KERNELS[:1]), fit(vmem.KERNELS[1:])
         if not forward_pairs or not backward_pairs:
             raise ValueError(f"head_dim: expected one at which some candidate block sizes fit the VMEM of "
                              f"TPU {generation}, got {request.head_dim}")
-    # The generation's compute block (None: the whole block), whatever block_kv is tried.
-    compute = None if generation is None else generations.get(generation).kv_compute(request.head_dim)
     forward = min(forward_pairs,
                   key=lambda pair: seconds(BlockSizes(*pair, start.block_q_bwd, start.block_kv_bwd, compute)))
     backward = min(backward_pairs, key=lambda pair: seconds(BlockSizes(*forward, *pair, compute)))

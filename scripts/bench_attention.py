@@ -4,8 +4,10 @@
     .venv/bin/python scripts/bench_attention.py --lengths 512 1024 --dtypes float32 --out docs/bench/attention
     .venv/bin/python scripts/bench_attention.py --memory-limit-gb 12  # share the machine
     .venv/bin/python scripts/bench_attention.py --lengths 32768 --append --out docs/bench/attention
+    .venv/bin/python scripts/bench_attention.py --implementations torchattn-xla --documents 72 --out /tmp/packed
 
-Batch 1, 8 heads, head_dim 128, causal. Each (implementation, dtype, length) runs in its own process,
+Batch 1, 8 heads, head_dim 128, causal; with ``--documents N`` each row packs documents of N tokens (segment ids:
+    .venv/bin/python scripts/bench_attention.py --implementations torchattn-xla --documents 72 --out /tmp/p
 so one configuration's memory never counts for another and a run that dies (out of memory)
 only loses its own row. The parent kills a process whose resident set exceeds --memory-limit-gb
 (default 90% of the machine's memory) before it takes the machine down, and records
@@ -91,8 +93,9 @@ class _PeakRss:
         self.peak = max(self.peak, _rss_bytes())
 
 
-def _attention(implementation: str):
-    """(device or None, fn(q, k, v) -> out) of one torch implementation."""
+def _attention(implementation: str, length: int, documents: int):
+    """(device or None, fn(q, k, v) -> out) of one torch implementation; torchattn's over rows of ``length`` tokens
+    packing documents of ``documents`` tokens (0: one document)."""
     import torch
 
     if implementation == "sdpa-cpu":
@@ -104,7 +107,11 @@ def _attention(implementation: str):
         import torchattn
 
         backend = implementation.removeprefix("torchattn-")
-        return device, lambda q, k, v: torchattn.flash_attention(q, k, v, causal=True, backend=backend)
+        packed = {}
+        if documents:
+            ids = (torch.arange(length, dtype=torch.int32) // documents).expand(BATCH, length).to(device)
+            packed = dict(segment_ids=ids)
+        return device, lambda q, k, v: torchattn.flash_attention(q, k, v, causal=True, backend=backend, **packed)
     if implementation == "torch_xla-flash":
         from torch_xla.experimental.custom_kernel import flash_attention
 
@@ -120,11 +127,11 @@ def _attention(implementation: str):
     return device, eager
 
 
-def _torch_step(implementation: str, dtype_name: str, length: int):
+def _torch_step(implementation: str, dtype_name: str, length: int, documents: int = 0):
     """(step() -> q's gradient, device_peak_bytes() or None, TPU generation or None) of a torch implementation."""
     import torch
 
-    device, attention = _attention(implementation)
+    device, attention = _attention(implementation, length, documents)
     dtype = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     q, k, v, do = (torch.randn(BATCH, HEADS, length, HEAD_DIM, generator=g).to(dtype) for _ in range(4))
@@ -189,12 +196,12 @@ def _splash_step(dtype_name: str, length: int):
     return step, lambda: device.memory_stats().get("peak_bytes_in_use"), None if kind is None else kind.name
 
 
-def measure(implementation: str, dtype_name: str, length: int, calls: int, warmup: int = 2) -> dict:
+def measure(implementation: str, dtype_name: str, length: int, calls: int, warmup: int = 2, documents: int = 0) -> dict:
     """One configuration, in this process: ``warmup`` calls (compiles), then ``calls`` timed calls."""
     if implementation == "jax-splash":
         step, device_peak_bytes, generation = _splash_step(dtype_name, length)
     else:
-        step, device_peak_bytes, generation = _torch_step(implementation, dtype_name, length)
+        step, device_peak_bytes, generation = _torch_step(implementation, dtype_name, length, documents)
     for _ in range(warmup):  # a second call by default: anything compiled lazily after the first is compiled now
         step()
     device_peak = None if device_peak_bytes is None else device_peak_bytes()
@@ -228,9 +235,10 @@ def _available(implementation: str, on_tpu: bool) -> bool:
 
 
 def _run_one(implementation: str, dtype: str, length: int, calls: int, warmup: int, timeout: float,
-             memory_limit_gb: float) -> dict:
+             memory_limit_gb: float, documents: int = 0) -> dict:
     """``measure`` in a fresh process; a crash, timeout or too large a resident set becomes the row's status."""
-    command = [sys.executable, __file__, "--one", implementation, dtype, str(length), str(calls), str(warmup)]
+    command = [sys.executable, __file__, "--one", implementation, dtype, str(length), str(calls), str(warmup),
+               str(documents)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         child = subprocess.Popen(command, stdout=out, stderr=err, text=True)
         stopped = _watch(child, timeout, memory_limit_gb)
@@ -346,16 +354,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench-attention", help="writes OUT.csv and OUT.png")
     parser.add_argument("--append", action="store_true",
                         help="keep OUT.csv's rows for configurations this run does not measure")
-    parser.add_argument("--one", nargs=5, metavar=("IMPL", "DTYPE", "LENGTH", "CALLS", "WARMUP"),
+    parser.add_argument("--documents", type=int, default=0,
+                        help="rows packing documents of this many tokens (torchattn's implementations only)")
+    parser.add_argument("--one", nargs=6, metavar=("IMPL", "DTYPE", "LENGTH", "CALLS", "WARMUP", "DOCUMENTS"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.warmup < 1:
         parser.error(f"--warmup: expected at least 1 (the call that compiles), got {args.warmup}")
     if args.memory_limit_gb <= 0:
         parser.error(f"--memory-limit-gb: expected a positive number, got {args.memory_limit_gb}")
+    if args.documents < 0:
+        parser.error(f"--documents: expected tokens per document (0: one a row), got {args.documents}")
+    others = [i for i in args.implementations if not i.startswith("torchattn-")]
+    if args.documents and others:
+        parser.error(f"--documents: expected torchattn's implementations only, got {', '.join(others)}")
     if args.one:
-        implementation, dtype, length, calls, warmup = args.one
-        print(json.dumps(measure(implementation, dtype, int(length), int(calls), int(warmup))))
+        implementation, dtype, length, calls, warmup, documents = args.one
+        print(json.dumps(measure(implementation, dtype, int(length), int(calls), int(warmup), int(documents))))
         return 0
     # Read before measuring: a CSV it cannot read fails the run now, not after an hour.
     previous = read_rows(f"{args.out}.csv") if args.append and os.path.exists(f"{args.out}.csv") else []
@@ -373,7 +388,7 @@ def main(argv=None) -> int:
                 # Longer than a length that ran out of memory or time (or exceeded the limit): not run, said so.
                 row.update({"status": "skipped: a shorter length failed"} if failed else
                            _run_one(implementation, dtype, length, args.calls, args.warmup, args.timeout,
-                                    args.memory_limit_gb))
+                                    args.memory_limit_gb, args.documents))
                 failed = failed or row["status"] != "ok"
                 rows.append(row)
                 print(", ".join(f"{k}={row.get(k)}" for k in FIELDS if row.get(k) is not None), flush=True)

@@ -4,6 +4,7 @@ docs/bench/predict-xla-cpu.csv and prints it as a table.
 
     PJRT_DEVICE=CPU .venv/bin/python scripts/bench_predict.py                 # the subsets below, ~15 min
     PJRT_DEVICE=CPU .venv/bin/python scripts/bench_predict.py --bbc 425 --paragraphs 300 --addresses 30
+    PJRT_DEVICE=CPU .venv/bin/python scripts/bench_predict.py --ways "packed torchattn" --out /tmp/packed.csv
 
 Collections (a subset each, by default, to keep the run short; the CSV says which):
 - bbc: the first --bbc articles of BBC News' held-out split (train/build.py's load_splits, seed 0), classified by
@@ -51,6 +52,9 @@ def main(argv=None) -> int:
     parser.add_argument("--paragraphs", type=int, default=40, help="State of the Union paragraphs")
     parser.add_argument("--addresses", type=int, default=4, help="whole State of the Union addresses")
     parser.add_argument("--batch-size", type=int, default=8, help="documents per padded batch")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), metavar="WAY",
+                        help=f"the ways to run, of {', '.join(map(repr, WAYS))} (default: all; the packed way is "
+                             "the others' reference, diff_vs_packed)")
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "bench", "predict-xla-cpu.csv"))
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # collection, way, scratch folder
     args = parser.parse_args(argv)
@@ -60,14 +64,15 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_predict-") as scratch:
         for collection in SETTINGS:
             _write_collection(args, collection, scratch)
-            for way in WAYS:
+            for way in args.ways:
                 result = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child", collection, way, scratch],
                                         cwd=ROOT, capture_output=True, text=True)
                 if result.returncode != 0:
                     sys.exit(f"{collection}, {way} failed:\n{result.stderr[-3000:]}")
                 rows.append(json.loads(result.stdout.splitlines()[-1]))
                 print(_line(rows[-1]), flush=True)
-            _compare(rows[-len(WAYS):], scratch, collection)
+            if WAYS[0] in args.ways:
+                _compare(rows[-len(args.ways):], scratch, collection)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()

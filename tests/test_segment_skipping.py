@@ -3,6 +3,8 @@
 
 - Skipped means not computed: keys and values of the last document are NaN, and every query block whose ids
   cannot meet theirs stays finite (a computed tile multiplies its masked weights, 0, by those NaN values: NaN).
+The ``xla`` backend's loop (torch ops under torch_xla) skips the same tiles by an XLA conditional, and is checked
+the same way (.venv).
 - Exact: packed rows against the float64 reference (tests/numerics.py), with several documents per block,
   documents across blocks, a padding segment, and a second row whose ids are not sorted (its ranges overlap:
   kept tiles with no visible pair between skipped ones), every feature the kernels take beside them.
@@ -33,7 +35,9 @@ TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
 
 def _kernels(backend: str, kernel_device) -> torch.device:
-    """The device the kernels' ``backend`` runs on here, or the test is skipped."""
+    """The device the kernels' ``backend`` (or the ``xla`` backend's loop) runs on here, or the test is skipped."""
+    if backend == "xla" and not TORCH_XLA:
+        pytest.skip("the xla backend needs torch_xla: runs in .venv")
     if backend == "simulated":
         if compat.simulator_missing():
             pytest.skip(compat.simulator_missing())
@@ -41,7 +45,10 @@ def _kernels(backend: str, kernel_device) -> torch.device:
     return kernel_device
 
 
-@pytest.mark.parametrize("backend, taken", [("interpret", "fused"), ("interpret", "split"), ("simulated", "fused")])
+# The xla backend's loop skips the same tiles (an XLA conditional per tile: torch_blockwise._visit_if_meeting); it
+# has one backward ("loop").
+@pytest.mark.parametrize("backend, taken", [("interpret", "fused"), ("interpret", "split"), ("simulated", "fused"),
+                                            ("xla", "loop")])
 def test_tiles_of_documents_that_cannot_meet_are_not_computed(backend, taken, kernel_device, take_backward):
     device = _kernels(backend, kernel_device)
     take_backward(taken == "fused")
@@ -69,6 +76,7 @@ FEATURES = [
 
 CASES = [(features, taken, "interpret") for features in FEATURES for taken in ("fused", "split")
          if not TORCH_XLA or (features, taken) == (FEATURES[0], "fused")]
+CASES += [(features, "loop", "xla") for features in FEATURES] if TORCH_XLA else []
 
 
 @pytest.mark.parametrize("features, taken, backend", CASES,

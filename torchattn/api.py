@@ -169,8 +169,9 @@ def validated(q, k, v, *, block_sizes: BlockSizes | None = None, **given) -> Req
         return {field.name: values[field.name] for field in features.fields(kind)}
 
     generation = devices.tpu_generation(q.device)
+    packed = values.get("segment_ids") is not None
     options = Options(**of(features.Kind.OPTION),
-                      block_sizes=BlockSizes.for_call(block_sizes, q_len, kv_len, head_dim, generation),
+                      block_sizes=BlockSizes.for_call(block_sizes, q_len, kv_len, head_dim, generation, packed),
                       generation=generation)
     request = Request(inputs=Tensors(q=q, k=k, v=v, **of(features.Kind.TENSOR)), options=options,
                       **of(features.Kind.REQUEST))

@@ -261,3 +261,46 @@ def scan(step, init, xs):
     from torch_xla.experimental.scan import _scan_impl_pytree
 
     return _scan_impl_pytree(step, init, xs)
+
+
+def cond(pred: torch.Tensor, fn, operands):
+    """``fn(*operands)`` where the 0-d bool ``pred`` holds, else ``operands`` unchanged, as one XLA Conditional:
+    the branch not taken does not run. ``fn`` returns tensors of the operands' shapes and dtypes, and may read
+    other tensors (they become operands of the conditional too). For XLA tensors, inside ``scan``'s step too.
+
+    torch_xla 2.9 has no conditional for XLA tensors (torch.cond has no XLA implementation, and its while_loop
+    refuses a body that reads other tensors: "The parameter of condition and body, the result of the body, and
+    init must all have the same shape"), so the branch is lowered as :func:`_trace` lowers a body and the
+    Conditional is built with torch_xla's XLA builder, as its scan builds its While.
+    """
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+
+    placeholders = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in operands]
+    outs = fn(*placeholders)
+    context = torch_xla._XLAC.lowering.LoweringContext("torchattn_cond")
+    context.build(list(outs))
+    read = context.device_parameter_id_tensor_mapping()  # every parameter: placeholders and the tensors fn read
+    for position, placeholder in enumerate(placeholders):
+        if context.tensor_parameter_id(placeholder) != -1:
+            read[context.tensor_parameter_id(placeholder)] = position
+    read = [read[i] for i in range(len(read))]
+    others = [t for t in read if isinstance(t, torch.Tensor)]
+    # The branch's parameters as positions in the conditional's operands: the operands, then the others.
+    positions = iter(range(len(operands), len(operands) + len(others)))
+    where = [r if isinstance(r, int) else next(positions) for r in read]
+    branch = xb.computation_from_module_proto("torchattn_cond_branch", context.hlo())
+
+    def taken(*values):
+        result = xb.Op.call(branch, [values[i] for i in where])
+        return [result.get_tuple_element(i) for i in range(len(operands))]
+
+    def skipped(*values):
+        return list(values[:len(operands)])
+
+    args = [pred.to(torch.int32), *operands, *others]  # the builder takes no bool parameter as a predicate
+    builder = xb.create_builder("torchattn_cond")
+    params = [xb.mkparam(builder, i, xb.tensor_shape(a)) for i, a in enumerate(args)]
+    taken_pred = params[0] != xb.Op.scalar(builder, 0, dtype=xb.Type.S32)
+    conditional = taken_pred.mkconditional(params[1:], taken, skipped)
+    return tuple(torch_xla._XLAC._xla_user_computation("torchattn::cond", args, conditional.build("torchattn_cond")))

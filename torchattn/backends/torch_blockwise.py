@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .. import internals
 from ..semantics import masks
 from ..semantics.dropout import column_keys, element_bits, keep_threshold, row_keys
+from ..kernels import segment_blocks
 from ..kernels.block_geometry import BlockGeometry
 from ..call.request import Tensors
 from ..semantics.roles import PAIRS
@@ -50,7 +51,7 @@ def forward(tensors: Tensors, options):
     with xp.Trace("torchattn.xla.forward"):
         lay = _Layout(q, tensors.k, tensors.of_role(PAIRS), options.block_sizes.block_q, options.block_sizes.block_kv)
         data = _prepare(lay, tensors, options)
-        tiles = _tiles(lay, options, by_kv=False, device=q.device)
+        tiles = _tiles(lay, tensors, options, by_kv=False)
         rows_shape = (lay.B, lay.Hkv, lay.rows, 1)
         zeros = dict(dtype=lay.compute, device=q.device)
         state = (torch.full(rows_shape, _NEG_INF, **zeros),  # running max of the current query block
@@ -63,19 +64,23 @@ def forward(tensors: Tensors, options):
             ((m, denom, acc), (out, lse)), data = carry
             first = tile["first"]  # the query block's first tile: its running state starts afresh
             m, denom, acc = (torch.where(first, start, t) for t, start in ((m, _NEG_INF), (denom, 0.0), (acc, 0.0)))
-            blk = _tile_inputs(lay, data, tile)
-            s, mask, _ = _scores(lay, options, blk, tile)
-            s = torch.where(mask, s, _NEG_INF)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            # Rows that have seen no key yet keep m = -inf; subtracting 0 instead
-            # gives exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
-            m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
-            p = torch.exp(s - m_safe)  # (B, Hkv, G * bq, bk)
-            alpha = torch.exp(m - m_safe)
-            denom = denom * alpha + p.sum(-1, keepdim=True)
-            if options.dropout_p > 0.0:  # the denominator counts dropped keys too
-                p = torch.where(_keep(lay, options, blk, tile), p, 0.0)
-            acc = acc * alpha + p @ blk["v"]
+
+            def visit(m, denom, acc):
+                blk = _tile_inputs(lay, data, tile)
+                s, mask, _ = _scores(lay, options, blk, tile)
+                s = torch.where(mask, s, _NEG_INF)
+                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+                # Rows that have seen no key yet keep m = -inf; subtracting 0 instead
+                # gives exp(-inf) = 0 rather than exp(-inf + inf) = NaN.
+                m_safe = torch.where(m_new == _NEG_INF, 0.0, m_new)
+                p = torch.exp(s - m_safe)  # (B, Hkv, G * bq, bk)
+                alpha = torch.exp(m - m_safe)
+                denom = denom * alpha + p.sum(-1, keepdim=True)
+                if options.dropout_p > 0.0:  # the denominator counts dropped keys too
+                    p = torch.where(_keep(lay, options, blk, tile), p, 0.0)
+                return m_new, denom, acc * alpha + p @ blk["v"]
+
+            m_new, denom, acc = _visit_if_meeting(tile, visit, (m, denom, acc))
             seen = denom != 0  # a NaN denominator (a NaN or +inf score) stays NaN in out and lse
             block_out = torch.where(seen, acc / (torch.where(seen, denom, 1.0) * (1.0 - options.dropout_p)), 0.0)
             block_lse = torch.where(seen, m_new + torch.log(denom), _NEG_INF)
@@ -97,7 +102,7 @@ def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
     with xp.Trace("torchattn.xla.backward"):
         lay = _Layout(q, k, pairs, options.block_sizes.block_q_bwd, options.block_sizes.block_kv_bwd)
         data = _prepare(lay, tensors, options)
-        tiles = _tiles(lay, options, by_kv=True, device=q.device)
+        tiles = _tiles(lay, tensors, options, by_kv=True)
         do = do.to(lay.compute)
         # delta = rowsum(dO * O) - dlse: the softmax backward's row term, plus lse's own gradient.
         delta = (do * out.to(lay.compute)).sum(-1, keepdim=True) - dlse.to(lay.compute).unsqueeze(-1)
@@ -111,26 +116,30 @@ def backward(do, dlse, out, lse, tensors: Tensors, options, wanted):
 
         def step(carry, tile):
             (dq, dk, dv, *dpairs), data = carry
-            blk = _tile_inputs(lay, data, tile)
-            s, mask, tanh = _scores(lay, options, blk, tile)
-            p = torch.where(mask, torch.exp(s - blk["lse"]), 0.0)  # (B, Hkv, G * bq, bk)
-            dp = blk["do"] @ blk["v"].transpose(-1, -2)  # (B, Hkv, G * bq, bk)
-            p_dropped = p
-            if options.dropout_p > 0.0:
-                keep = _keep(lay, options, blk, tile)
-                p_dropped = torch.where(keep, p * keep_scale, 0.0)
-                dp = torch.where(keep, dp * keep_scale, 0.0)
-            ds = p * (dp - blk["delta"])  # gradient of the logits after softcap: of every per-pair term
-            for i, name in enumerate(pair_grads):
-                tile_grad = _sum_to(lay.heads(ds), blk[name].shape)  # (Bb, Hkv|1, G|1, bq|1, bk|1)
-                dpairs[i] = dpairs[i].index_add(0, tile[name].view(1), tile_grad.unsqueeze(0))
-            if tanh is not None:
-                ds = ds * (1.0 - tanh * tanh)
-            at_q, at_kv = tile["q"].view(1), tile["kv"].view(1)
-            dq = dq.index_add(0, at_q, (ds @ blk["k"]).unsqueeze(0))
-            # Contracting over G * bq rows sums the G query heads that share this kv head.
-            dk = dk.index_add(0, at_kv, (ds.transpose(-1, -2) @ blk["q"]).unsqueeze(0))  # q carries the scale
-            dv = dv.index_add(0, at_kv, (p_dropped.transpose(-1, -2) @ blk["do"]).unsqueeze(0))
+
+            def visit(*zeros):  # the tile's shares of dq, dk, dv and each per-pair gradient
+                blk = _tile_inputs(lay, data, tile)
+                s, mask, tanh = _scores(lay, options, blk, tile)
+                p = torch.where(mask, torch.exp(s - blk["lse"]), 0.0)  # (B, Hkv, G * bq, bk)
+                dp = blk["do"] @ blk["v"].transpose(-1, -2)  # (B, Hkv, G * bq, bk)
+                p_dropped = p
+                if options.dropout_p > 0.0:
+                    keep = _keep(lay, options, blk, tile)
+                    p_dropped = torch.where(keep, p * keep_scale, 0.0)
+                    dp = torch.where(keep, dp * keep_scale, 0.0)
+                ds = p * (dp - blk["delta"])  # gradient of the logits after softcap: of every per-pair term
+                pair_shares = [_sum_to(lay.heads(ds), blk[name].shape) for name in pair_grads]  # (Bb, Hkv|1, ...)
+                if tanh is not None:
+                    ds = ds * (1.0 - tanh * tanh)
+                # Contracting over G * bq rows sums the G query heads that share this kv head; q carries the scale.
+                return (ds @ blk["k"], ds.transpose(-1, -2) @ blk["q"], p_dropped.transpose(-1, -2) @ blk["do"],
+                        *pair_shares)
+
+            shapes = [dq.shape[1:], dk.shape[1:], dv.shape[1:], *(dpair.shape[1:] for dpair in dpairs)]
+            shares = _visit_if_meeting(tile, visit, tuple(dq.new_zeros(shape) for shape in shapes))
+            at = [tile["q"], tile["kv"], tile["kv"], *(tile[name] for name in pair_grads)]
+            dq, dk, dv, *dpairs = (grad.index_add(0, index.view(1), share.unsqueeze(0))
+                                   for grad, index, share in zip((dq, dk, dv, *dpairs), at, shares))
             return ((dq, dk, dv, *dpairs), data), ()
 
         (grads, _), _ = internals.scan(step, (grads, data), tiles)
@@ -171,13 +180,16 @@ class _Layout:
         return t.view(self.B, self.Hkv, self.G, self.bq, t.shape[-1])
 
 
-def _tiles(lay, options, by_kv, device):
-    """The visible (query block, key block) tiles as the loop's inputs, int64 (n,) each:
+def _tiles(lay, tensors: Tensors, options, by_kv):
+    """The visible (query block, key block) tiles of the band as the loop's inputs, int64 (n,) each:
     ``q``, ``kv`` and, per per-pair input, its name (the tile's block of it). Ordered by query block, with ``first``
-    (bool: the first tile of its query block), or by key block if ``by_kv``.
+    (bool: the first tile of its query block), or by key block if ``by_kv``. With segment ids, ``meeting`` (bool):
+    whether the tile's id ranges meet in some batch row (kernels/segment_blocks.py), data: a tile where they do not
+    holds no visible pair, and the loop skips its work (:func:`_visit_if_meeting`).
 
     The band always holds the last query's diagonal key, so the list is never empty.
     """
+    device = tensors.q.device
     left, right = options.bounds
     geometry = BlockGeometry(q_len=lay.Sq, kv_len=lay.Skv, block_q=lay.bq, block_kv=lay.bk, left=left, right=right)
     # Broadcast: without a band, visibility depends on neither index.
@@ -194,7 +206,18 @@ def _tiles(lay, options, by_kv, device):
         tiles[name] = torch.tensor(np.broadcast_to(index, q_index.shape), **as_tensor)
     if not by_kv:
         tiles["first"] = torch.tensor(np.diff(q_index, prepend=-1) != 0, device=device)
+    if tensors.segment_ids is not None:
+        meeting = segment_blocks.meeting_tiles(tensors.segment_ids, tensors.kv_segment_ids, lay.bq, lay.bk).any(0)
+        tiles["meeting"] = meeting[tiles["q"], tiles["kv"]]
     return tiles
+
+
+def _visit_if_meeting(tile, visit, operands):
+    """``visit(*operands)``, or with segment ids only where the tile's ids meet (``operands`` unchanged elsewhere):
+    an XLA conditional, so the work of a tile pairing two documents is not done, as the kernels skip it."""
+    if "meeting" not in tile:
+        return visit(*operands)
+    return internals.cond(tile["meeting"], visit, operands)
 
 
 def _prepare(lay, tensors: Tensors, options):

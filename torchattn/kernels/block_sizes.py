@@ -11,6 +11,11 @@ from ..semantics.types import is_bool, type_name
 
 # The multiple each block size must be: query blocks tile the TPU vreg's sublanes, key blocks its lanes.
 MULTIPLES = {"block_q": SUBLANES, "block_kv": LANES, "block_q_bwd": SUBLANES, "block_kv_bwd": LANES}
+# Off a TPU, the blocks of a call with segment ids (packed documents): the ``xla`` backend's loop skips the tiles whose
+# documents cannot meet (backends/torch_blockwise.py), so smaller blocks leave fewer tiles to compute. XLA:CPU,
+# scripts/bench_attention.py --documents N, 2,048 tokens, causal, forward + backward: documents of 400 tokens 230 ms
+# (512 blocks, every tile) -> 141 ms, of 72 tokens 131 -> 131 ms (docs/performance.md).
+PACKED_OFF_TPU = 128
 # The sizes torchattn.tune tries for each block dimension (before clamping to the sequence): powers of
 # two from one lane tile to 2048 (beyond it blocks compile slowly and gain little arithmetic intensity).
 CANDIDATE_SIZES = (128, 256, 512, 1024, 2048)
@@ -57,13 +62,14 @@ class BlockSizes:
         return f"BlockSizes({', '.join(f'{name}={getattr(self, name)}' for name in fields)})"
 
     @classmethod
-    def default(cls, q_len: int, kv_len: int, head_dim: int, generation: str | None = None) -> "BlockSizes":
+    def default(cls, q_len: int, kv_len: int, head_dim: int, generation: str | None = None,
+                packed: bool = False) -> "BlockSizes":
         """The default blocks for a TPU ``generation`` ("v4", "v5e", "v5p", "v6e"; see
         torchattn.tpu.generations and the table in docs/kernels.md), clamped to the sequence. Without a
         generation (not on a TPU: the ``interpret`` and ``xla`` backends): 512 rows, 256 for
-        head_dim > 128."""
+        head_dim > 128; :data:`PACKED_OFF_TPU` for a ``packed`` call (one with segment ids)."""
         if generation is None:
-            cap = 512 if head_dim <= 128 else 256
+            cap = PACKED_OFF_TPU if packed else 512 if head_dim <= 128 else 256
             sizes = (cap,) * 4
         else:
             from ..tpu import generations
@@ -73,11 +79,12 @@ class BlockSizes:
         return cls(*sizes).clamped(q_len, kv_len)
 
     @classmethod
-    def for_call(cls, given, q_len: int, kv_len: int, head_dim: int, generation: str | None) -> "BlockSizes":
+    def for_call(cls, given, q_len: int, kv_len: int, head_dim: int, generation: str | None,
+                 packed: bool = False) -> "BlockSizes":
         """A call's block sizes: flash_attention's ``block_sizes`` clamped to the lengths, else the
         generation's :meth:`default`."""
         if given is None:
-            return cls.default(q_len, kv_len, head_dim, generation)
+            return cls.default(q_len, kv_len, head_dim, generation, packed)
         if not isinstance(given, BlockSizes):
             raise TypeError(f"block_sizes: expected torchattn.BlockSizes or None, got {type_name(given)}")
         return given.clamped(q_len, kv_len)

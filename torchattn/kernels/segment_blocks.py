@@ -47,7 +47,7 @@ def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, band) -> torch.Tensor
     without a table: the launch's band, whose runs the ids cut)."""
     q_low, q_high = _ranges(q_ids, band.block_q)
     kv_low, kv_high = _ranges(kv_ids, band.block_kv)
-    meet = (q_low[:, :, None] <= kv_high[:, None, :]) & (kv_low[:, None, :] <= q_high[:, :, None])
+    meet = _meet(q_low, q_high, kv_low, kv_high)
     kv_first, kv_last = _run(meet, dim=2)
     q_first, q_last = _run(meet, dim=1)
     nq, nk = q_low.shape[1], kv_low.shape[1]
@@ -57,6 +57,16 @@ def block_table(q_ids: torch.Tensor, kv_ids: torch.Tensor, band) -> torch.Tensor
     return torch.cat([torch.stack(steps).to(torch.int32),
                       torch.cat([q_low, q_high, kv_low, kv_high, kv_first, kv_last, q_first, q_last],
                                 dim=1).reshape(-1)])
+
+
+def meeting_tiles(q_ids: torch.Tensor, kv_ids: torch.Tensor, block_q: int, block_kv: int) -> torch.Tensor:
+    """bool (batch, query blocks, key blocks): whether the id ranges of each tile's blocks meet (ids as
+    :func:`block_table` takes them): the tiles that may hold a visible pair, for the ``xla`` backend's loop."""
+    return _meet(*_ranges(q_ids, block_q), *_ranges(kv_ids, block_kv))
+
+
+def _meet(q_low, q_high, kv_low, kv_high) -> torch.Tensor:
+    return (q_low[:, :, None] <= kv_high[:, None, :]) & (kv_low[:, None, :] <= q_high[:, :, None])
 
 
 def _longest(band_first, band_last, first: torch.Tensor, last: torch.Tensor) -> torch.Tensor:

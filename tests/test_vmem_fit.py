@@ -46,7 +46,7 @@ def _compiles(attention: Attention, generation: str, kernel: str, block_q: int, 
     return True
 
 
-def _first_failure_below(attention, generation, kernel, block_q, block_kv, start, stop, step=0.9, compute=None):
+def _first_failure_below(attention, generation, kernel, block_q, block_kv, start, stop, step=0.9):
     """A short search down from ``start``: the first VMEM limit, in steps of ``step`` down to ``stop``
     (``stop`` itself last), under which the kernel does not compile; None if it compiles at all of them.
 
@@ -55,7 +55,7 @@ def _first_failure_below(attention, generation, kernel, block_q, block_kv, start
     limit = start
     while limit > stop:
         limit = max(stop, int(limit * step) // 4096 * 4096)
-        if not _compiles(attention, generation, kernel, block_q, block_kv, limit, compute):
+        if not _compiles(attention, generation, kernel, block_q, block_kv, limit):
             return limit
     return None
 
@@ -96,26 +96,22 @@ def test_estimate_is_an_upper_bound_close_to_the_compilers_need(case):
                                  f"is more than {SLACK_FACTOR}x + {SLACK_BYTES / MiB:.0f} MiB the need")
 
 
-COMPUTE_CASES = [  # generation, head_dim, dtype, features, whether to search for the need too (4-5 compiles)
-    ("v6e", 128, "bfloat16", "", True),
-    ("v6e", 256, "float32", "segments", False),
+COMPUTE_CASES = [  # generation, head_dim, dtype, features
+    ("v6e", 128, "bfloat16", ""),
+    ("v6e", 256, "float32", "segments"),
 ]
 
 
-@pytest.mark.parametrize("case", COMPUTE_CASES, ids=lambda case: "-".join(map(str, case[:4])))
-def test_forward_estimate_at_its_compute_block_is_an_upper_bound_close_to_the_need(case):
+@pytest.mark.parametrize("case", COMPUTE_CASES, ids=lambda case: "-".join(map(str, case)))
+def test_forward_estimate_at_its_compute_block_is_an_upper_bound(case):
     """Forwards at 2048 x 2048 computing 256 keys at a time, their intermediates counted at the compute block: far
-    below the whole key block's count, still an upper bound, and as close to the need as every other estimate."""
-    generation, head_dim, dtype, features, search = case
+    below the whole key block's count, and still an upper bound (the needs bisected: kernels/vmem.py)."""
+    generation, head_dim, dtype, features = case
     attention = _attention(head_dim, dtype, 2048, 2048, features)
     estimate = vmem.kernel_bytes("forward", attention.vmem_operands(), 2048, 2048, 256)
     assert estimate < 0.75 * vmem.kernel_bytes("forward", attention.vmem_operands(), 2048, 2048)
     assert _compiles(attention, generation, "forward", 2048, 2048, estimate, compute=256), \
         f"does not compile within the estimate of {estimate / MiB:.2f} MiB: an under-estimate"
-    floor = int((estimate - SLACK_BYTES) / SLACK_FACTOR)
-    assert not search or _first_failure_below(attention, generation, "forward", 2048, 2048, estimate, floor,
-                                              compute=256), \
-        f"compiles within {floor / MiB:.2f} MiB: the estimate of {estimate / MiB:.2f} MiB is too far above the need"
 
 
 NARROW_CASES = [  # below 128 lanes: unpadded arrays, transposed backward accumulators (vmem.py's docstring)

@@ -22,6 +22,7 @@ makes it the global mean; logged losses and metrics are combined over those proc
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fnmatch
 import functools
@@ -257,6 +258,11 @@ def read_shards(state: dict, folder: str) -> None:
 # --mesh
 
 
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @functools.lru_cache(maxsize=1)
 def spmd(mesh: str, balanced: bool = False) -> Spmd:
     """The process's Spmd over ``mesh``: the process group is started once."""
@@ -277,6 +283,10 @@ class Spmd:
         check_mesh_devices(axes, count, kind, hint=devices_hint)
         if not dist.is_initialized():
             dist.init_process_group(PROCESS_GROUPS[kind])
+            # Destroyed while the interpreter is whole: gloo's worker threads still alive when it finalizes abort
+            # the process ("terminate called without an active exception", SIGABRT: pytorch/pytorch#190489,
+            # #179291), as one rank of a two-process mesh did once in a CI run after its work was done.
+            atexit.register(_destroy_process_group)
         self.axes = axes
         self.mesh = init_device_mesh(kind, tuple(axes.values()), mesh_dim_names=tuple(axes))
         self.device = device()

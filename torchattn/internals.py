@@ -238,14 +238,24 @@ def _trace(name, fn, args):
     seed_ids, _ = torch_xla._XLAC._get_tensors_xla_device_data_node(present)
     if torch_xla._XLAC._get_seed_info_id() in seed_ids:
         return None
+    computation, parameters = _lowered(name, present, placeholders)
+    return _TracedBody(name, computation, parameters, [t is None for t in outs])
+
+
+def _lowered(name, outs, placeholders):
+    """(one XLA computation of ``outs``, its parameters): each an index into ``placeholders`` (the tensors ``outs``
+    were traced from) or a tensor the trace read otherwise (a constant it created as device data, a tensor of an
+    enclosing trace)."""
+    import torch_xla
+    import torch_xla.core.xla_builder as xb
+
     context = torch_xla._XLAC.lowering.LoweringContext(name)
-    context.build(present)
-    by_id = context.device_parameter_id_tensor_mapping()  # every parameter: placeholders and constants
+    context.build(list(outs))
+    by_id = context.device_parameter_id_tensor_mapping()  # every parameter, as a tensor
     for position, placeholder in enumerate(placeholders):
         if isinstance(placeholder, torch.Tensor) and context.tensor_parameter_id(placeholder) != -1:
             by_id[context.tensor_parameter_id(placeholder)] = position
-    computation = xb.computation_from_module_proto(name, context.hlo())
-    return _TracedBody(name, computation, [by_id[i] for i in range(len(by_id))], [t is None for t in outs])
+    return xb.computation_from_module_proto(name, context.hlo()), [by_id[i] for i in range(len(by_id))]
 
 
 def scan(step, init, xs):
@@ -277,19 +287,11 @@ def cond(pred: torch.Tensor, fn, operands):
     import torch_xla.core.xla_builder as xb
 
     placeholders = [xb.create_placeholder_tensor(t.shape, t.dtype) for t in operands]
-    outs = fn(*placeholders)
-    context = torch_xla._XLAC.lowering.LoweringContext("torchattn_cond")
-    context.build(list(outs))
-    read = context.device_parameter_id_tensor_mapping()  # every parameter: placeholders and the tensors fn read
-    for position, placeholder in enumerate(placeholders):
-        if context.tensor_parameter_id(placeholder) != -1:
-            read[context.tensor_parameter_id(placeholder)] = position
-    read = [read[i] for i in range(len(read))]
+    branch, read = _lowered("torchattn_cond_branch", fn(*placeholders), placeholders)
     others = [t for t in read if isinstance(t, torch.Tensor)]
     # The branch's parameters as positions in the conditional's operands: the operands, then the others.
     positions = iter(range(len(operands), len(operands) + len(others)))
     where = [r if isinstance(r, int) else next(positions) for r in read]
-    branch = xb.computation_from_module_proto("torchattn_cond_branch", context.hlo())
 
     def taken(*values):
         result = xb.Op.call(branch, [values[i] for i in where])

@@ -256,6 +256,11 @@ def test_a_call_gets_the_blocks_its_own_features_fit():
     assert packed.default_block_sizes("v7x") == BlockSizes(1024, 1024, 512, 512, block_kv_compute=256)
     assert packed.default_block_sizes("v6e") == BlockSizes(512, 512, 512, 512, block_kv_compute=512)
     assert plain.default_block_sizes("v6e") == BlockSizes.default(8192, 8192, 128, "v6e")
+    # v5e's (table backward 1024 x 1024, wide heads' forward 1024 x 512): 512 blocks.
+    assert packed.default_block_sizes("v5e") == BlockSizes(512, 512, 512, 512)
+    wide_packed = Attention(**{**shape, "head_dim": 256}, segments=True)
+    assert wide_packed.default_block_sizes("v5e") == BlockSizes(512, 512, 512, 512)
+    assert wide.default_block_sizes("v5e") == BlockSizes.default(8192, 8192, 256, "v5e")
     # A 2k packed row is one of v6e's 2048 x 2048 forward blocks: the table's forward, the packed backward.
     two_k = Attention(**{**shape, "q_len": 2048, "kv_len": 2048, "segments": True}).default_block_sizes("v6e")
     assert two_k == BlockSizes(2048, 2048, 512, 512, block_kv_compute=256)

@@ -99,7 +99,10 @@ GENERATIONS = {
                    tensorcores=2, mxu_probe_shape=(4096, 128, 256), mxu_macs_per_bundle=87_839, devices_per_chip=2),
         Generation("v5e", "TPU v5 lite", "v5e:2x2", 197e12, 819e9, 16 * GiB, 128 * MiB, 96 * MiB,
                    blocks=(512, 512, 1024, 1024), blocks_wide_heads=(1024, 512, 1024, 2048),
-                   tensorcores=1, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=92_628),
+                   tensorcores=1, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=92_628,
+                   # packed BBC News rows, 2k-32k: fwd+bwd 0.862x (head_dim 128) and 1.049x (256) the best peer at the
+                   # table's blocks, 0.713x and 0.635x at 512 (docs/performance.md, "Packed documents after ...")
+                   blocks_packed=(512, 512, 512, 512, None)),
         Generation("v5p", "TPU v5", "v5p:2x2x1", 459e12, 2765e9, 95 * GiB, 64 * MiB, 48 * MiB,
                    blocks=(512, 512, 1024, 1024), blocks_wide_heads=(512, 512, 512, 1024),
                    tensorcores=2, mxu_probe_shape=(4096, 128, 512), mxu_macs_per_bundle=91_648),

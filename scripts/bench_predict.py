@@ -19,7 +19,11 @@ compilations count where they happen: the pipeline pads each batch of --batch-si
 XLA compiles every new length; unpacked torchattn pads to power-of-two buckets (as training does); packed rows
 (--batch-tokens in SETTINGS) have one shape. tokens/s counts the documents' tokens; padding share is
 the padding among all tokens run. diff_vs_packed: the largest difference of a document's result from the packed
-run's (classification: probability; sotu-skewed: relative log-likelihood).
+run's (classification: probability; sotu-skewed: relative log-likelihood). tiles_visited (packed way): the share of
+the attention's (query block, key block) tiles over the packed rows that the run's kernels compute, at the blocks a
+call with segment ids takes off a TPU (BlockSizes.PACKED_OFF_TPU); the others pair different documents, or lie
+outside the causal band, and are skipped. It is the documents' mask block density (torchattn.aot.documents, from
+the documents' intervals), which the kernels' visited tiles equal (tests/test_aot_documents.py).
 """
 
 from __future__ import annotations
@@ -34,12 +38,14 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 WAYS = ("packed torchattn", "pipeline sdpa", "unpacked torchattn")
 FIELDS = ("collection", "model", "way", "documents", "tokens", "tokens_run", "padding_share", "seconds",
-          "tokens_per_s", "compiles", "compiles_after_first_batch", "diff_vs_packed", "subset")
+          "tokens_per_s", "compiles", "compiles_after_first_batch", "tiles_visited", "diff_vs_packed", "subset")
 # Packed rows: twice MiniLM's longest document (articles of 200-500 tokens pack two to four a row); SmolLM2's longest
 # (an address fills a row, paragraphs pack around each other; attention on XLA:CPU costs the row's length squared).
 SETTINGS = {"bbc": dict(model="minilm", task="classification", max_length=512, batch_tokens=1024),
@@ -144,7 +150,7 @@ def _child(args, collection: str, way: str, scratch: str) -> int:
                       "tokens": tokens, "tokens_run": run, "padding_share": round(1 - tokens / run, 4),
                       "seconds": round(measured["seconds"], 1), "tokens_per_s": round(tokens / measured["seconds"], 1),
                       "compiles": compile_count() - before, "compiles_after_first_batch": measured["compiles_after"],
-                      "diff_vs_packed": "", "subset": subset}))
+                      "tiles_visited": measured.get("tiles_visited", ""), "diff_vs_packed": "", "subset": subset}))
     return 0
 
 
@@ -158,6 +164,14 @@ def _packed(model: str, settings: dict, texts: list[str], source: str, batch_siz
     compiled = []  # graphs each step compiled (the run's own CompileWatch)
     watch = job.runner.compiles.after
     job.runner.compiles.after = lambda *step: compiled.append(watch(*step)) or compiled[-1]
+    positions = []  # each step's packed rows, as the runner gets them
+    run = job.runner.run
+
+    def recorded(steps):
+        for key, batch in steps:
+            positions.append(batch["position_ids"])
+            yield key, batch
+    job.runner.run = lambda steps: run(recorded(steps))
     started = time.perf_counter()
     try:
         summary = job.run()
@@ -166,7 +180,32 @@ def _packed(model: str, settings: dict, texts: list[str], source: str, batch_siz
     seconds = time.perf_counter() - started
     _save_results(out, [_value(row, settings["task"]) for row in _jsonl(f"{out}.jsonl")])
     return {"seconds": seconds, "tokens": summary["tokens"], "compiles_after": sum(compiled[1:]),
-            "tokens_run": round(summary["tokens"] / (1 - summary["padding_share"]))}
+            "tokens_run": round(summary["tokens"] / (1 - summary["padding_share"])),
+            "tiles_visited": round(_tiles_visited(np.concatenate(positions), job.runner.causal,
+                                                  job.runner.model.config), 4)}
+
+
+def _tiles_visited(positions: np.ndarray, causal: bool, model_config) -> float:
+    """The share of the (query block, key block) tiles of packed rows (their ``positions``) that hold a pair of one
+    document inside the causal band, at the blocks a call with segment ids takes off a TPU."""
+    import torch
+
+    from patches.masks import document_ids
+    from torchattn.aot import Attention, documents
+    from torchattn.kernels.block_sizes import BlockSizes
+
+    text_config = model_config.get_text_config()
+    heads = text_config.num_attention_heads
+    length = positions.shape[1]
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    attention = Attention(batch=1, q_heads=heads, kv_heads=heads, q_len=length, kv_len=length, head_dim=head_dim,
+                          causal=causal, segments=True)
+    blocks = BlockSizes.default(length, length, attention.head_dim, packed=True)
+    shares = []
+    for ids in document_ids(torch.from_numpy(positions)).numpy():
+        lengths = np.diff(np.flatnonzero(np.diff(ids, prepend=-1, append=-1))).tolist()
+        shares.append(documents.mask_block_density(attention, lengths, blocks.block_q, blocks.block_kv))
+    return float(np.mean(shares))
 
 
 def _pipeline(model: str, settings: dict, texts: list[str], source: str, batch_size: int, out: str) -> dict:
@@ -327,7 +366,8 @@ def _line(row: dict) -> str:
     return (f"{row['collection']:<12} {row['way']:<19} {row['documents']:>4} docs {row['tokens']:>7} tokens "
             f"padding {row['padding_share']:>6.1%} {row['seconds']:>7.1f} s {row['tokens_per_s']:>8.1f} tokens/s "
             f"compiles {row['compiles']:>3} (after the first batch {row['compiles_after_first_batch']:>3}) "
-            f"diff {row['diff_vs_packed'] or '-'}")
+            f"diff {row['diff_vs_packed'] or '-'}"
+            + (f" tiles visited {row['tiles_visited']:.1%}" if row["tiles_visited"] != "" else ""))
 
 
 if __name__ == "__main__":

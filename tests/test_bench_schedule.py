@@ -19,9 +19,10 @@ pytest.importorskip("jax")
 pytest.importorskip("libtpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JAX = ["splash", "splash-fused", "flash"]
-# Tokamax's rows and splash_sdpa's where tokamax is installed (.venv-current); JAX's kernels on either stack.
-OTHERS = [*JAX, "tokamax", "splash-sdpa"] if importlib.util.find_spec("tokamax") else JAX
+# JAX's splash with both backwards (the comparison below) and Tokamax's, the peer to beat. flash_attention's kernels
+# compile in tests/test_jax_kernels.py and splash_sdpa's are JAX's splash (below): the quick run leaves them out
+# (the suite's time).
+OTHERS = ["splash", "splash-fused", "tokamax"]
 IMPLEMENTATIONS = ["torchattn", *OTHERS]
 
 
@@ -40,12 +41,6 @@ def test_quick_grid_runs_end_to_end(tmp_path):
     assert [(row["causal"], row["implementation"]) for row in rows] == [
         (causal, implementation) for causal in ("False", "True") for implementation in IMPLEMENTATIONS]
     for row in rows:
-        if row["implementation"] == "flash" and row["kv_heads"] != row["q_heads"]:
-            assert row["status"].startswith("unsupported: flash_attention: GQA"), row["status"]
-            continue
-        if row["implementation"] == "splash-sdpa" and row["segments"] == "True":
-            assert row["status"] == "unsupported: splash_sdpa takes no segment ids or softcap", row["status"]
-            continue
         assert row["status"] == "ok", (row["implementation"], row["status"])
         parts = [float(row[f"{kernel}_s"]) for kernel in ("backward_dq", "backward_dkv", "backward_fused",
                                                           "dq_reduction", "dkv_reduction") if row[f"{kernel}_s"]]
